@@ -1,0 +1,128 @@
+"""Models, data and training loops shared by the multi-process workers and the single-process reference."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import zcompile
+from zcompile.models.gpt import GPT, GPTConfig
+
+VOCAB, SEQ, MICRO = 128, 16, 2  # micro-batch of MICRO sequences per rank
+LR = 1e-3
+
+
+def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    if name == "gpt3":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=3, n_head=4, n_embd=64))
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return LlamaForCausalLM(cfg)
+    raise ValueError(name)
+
+
+def loss_of(model, name: str, x: torch.Tensor) -> torch.Tensor:
+    if name.startswith("gpt"):
+        return model(x[:, :-1], x[:, 1:]).loss
+    return model(input_ids=x, labels=x).loss
+
+
+def global_batch(step: int, world: int, micro: int = MICRO, seq: int = SEQ) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (world * micro, seq + 1), generator=g)
+
+
+def rank_slice(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return x.chunk(world)[rank]
+
+
+def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | None = None,
+              batch_sizes: list[int] | None = None) -> tuple[dict, list[float]]:
+    """Single-process data-parallel semantics: every rank's micro-batch loss, averaged, one AdamW step."""
+    model = build_model(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        micro = batch_sizes[step] if batch_sizes else MICRO
+        for a in range(accum):
+            x = global_batch(step * accum + a, world, micro)
+            per_rank = [loss_of(model, name, rank_slice(x, r, world)) for r in range(world)]
+            (sum(per_rank) / (world * accum)).backward()
+            losses.append([l.item() for l in per_rank])
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int = 1, clip: float | None = None,
+          batch_sizes: list[int] | None = None, model=None, opt=None, start: int = 0, reports: list | None = None):
+    """The same loop through torch.compile(backend="zero"); returns (model, optimizer, losses).
+
+    `reports` collects the memory report of each step, taken after the step and before zero_grad, when parameters,
+    gradients and optimizer state are all alive.
+    """
+    if model is None:
+        torch._dynamo.reset()
+        model = torch.compile(build_model(name), backend="zero", options={"config": config})
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(start, start + steps):
+        micro = batch_sizes[step] if batch_sizes else MICRO
+        for a in range(accum):
+            x = rank_slice(global_batch(step * accum + a, world, micro), rank, world)
+            loss = loss_of(model, name, x)
+            (loss / accum).backward()
+            losses.append(loss.item())
+        if clip is not None:
+            zcompile.clip_grad_norm_(model, clip)
+        opt.step()
+        if reports is not None:
+            reports.append(zcompile.memory_report(model, opt))
+        opt.zero_grad()
+    return model, opt, losses
+
+
+def parity(rank: int, world: int, name: str, stages: list[int], backend: str = "eager", steps: int = 5,
+           **kw) -> dict:
+    """Train at each stage; return the consolidated parameters, losses and memory report per stage."""
+    out = {}
+    for stage in stages:
+        reports = []
+        model, opt, losses = train(rank, world, name, {"stage": stage, "backend": backend}, steps, reports=reports,
+                                   **kw)
+        out[stage] = {"params": zcompile.full_state_dict(model), "losses": losses, "report": reports[-1]}
+    return out
+
+
+def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: str) -> dict:
+    config = {"stage": stage, "backend": "eager"}
+    model, opt, _ = train(rank, world, name, config, 3)
+    zcompile.save_checkpoint(directory, model, opt, extra={"step": 3})
+    _, _, continued = train(rank, world, name, config, 2, model=model, opt=opt, start=3)
+    full = zcompile.full_state_dict(model)
+    # A fresh process state: other initial weights, new compile, then resume from the checkpoint.
+    torch._dynamo.reset()
+    fresh = torch.compile(build_model(name, seed=123), backend="zero", options={"config": config})
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    extra = zcompile.load_checkpoint(directory, fresh, fresh_opt)
+    _, _, resumed = train(rank, world, name, config, 2, model=fresh, opt=fresh_opt, start=extra["step"])
+    return {"continued": continued, "resumed": resumed, "full": full, "resumed_full": zcompile.full_state_dict(fresh)}
+
+
+def mismatched_models(rank: int, world: int) -> None:
+    """Rank 0 compiles a 2-layer GPT, the others a 3-layer one: the schedules differ."""
+    name = "gpt" if rank == 0 else "gpt3"
+    train(rank, world, name, {"stage": 3, "backend": "eager"}, 1)
+
+
+def dump_graphs(rank: int, world: int, directory: str, config: dict) -> list:
+    train(rank, world, "gpt", dict(config, dump=directory), 1)
+    return sorted(__import__("os").listdir(f"{directory}/rank{rank}"))

@@ -1,0 +1,25 @@
+"""zcompile: ZeRO-style sharded data parallelism as a torch.compile backend.
+
+    model = torch.compile(model, backend="zero", options={"config": "zero3.yaml"})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # steps the local shards
+
+Importing is optional once installed (the backend is registered through the `torch_dynamo_backends` entry point).
+"""
+from __future__ import annotations
+
+import torch
+
+from zcompile.backend import ZCompileError, zero_backend
+from zcompile.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from zcompile.config import Config, ConfigError
+from zcompile.dist_context import init_distributed
+from zcompile.grad_clip import clip_grad_norm_
+from zcompile.report import memory_report
+from zcompile.schedule_check import ScheduleMismatch
+
+__all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
+           "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report"]
+__version__ = "0.1.0"
+
+if "zero" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(zero_backend, name="zero")

@@ -1,0 +1,162 @@
+"""The `zero` dynamo backend: dynamo graph -> passes -> AOTAutograd -> passes on forward/backward -> compiler.
+
+    torch.compile(model, backend="zero", options={"config": "zero3.yaml"})
+
+Parameters arrive as graph inputs and are identified by identity (`example_inputs[i]` is the nn.Parameter), so graph
+breaks and recompiles map them to the same shards. The returned callable replaces each parameter argument with the
+tensor the graph was compiled for (the shard at stages 2/3) and appends the side inputs a pass asked for.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from zcompile import backends, config as zconfig, passes, schedule_check, shard_store
+from zcompile.dist_context import DistContext
+from zcompile.dump import GraphDumper
+from zcompile.pass_context import PassContext
+
+_graph_ids = itertools.count()
+
+
+def _refresh_meta(gm: fx.GraphModule) -> list:
+    """Re-run fake propagation after the passes changed input shapes and added nodes; returns the fake inputs."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in phs])
+    assert fake_mode is not None, "graph placeholders carry no fake values"
+    inputs = [n.meta["val"] for n in phs]
+    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    return inputs
+
+
+def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
+    """Shard placeholders take shard-shaped fake values; side-input placeholders take full-shape ones."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in phs if "val" in n.meta])
+    with fake_mode:
+        if pctx.cfg.stage >= 2:
+            for i, ph in pctx.param_placeholders(gm).items():
+                zp = pctx.params[i]
+                ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=pctx.dist.device)
+        side = [n for n in phs if n.name.startswith("zc_full_param_")]
+        for ph, zp in zip(side, pctx.side_inputs):
+            ph.meta["val"] = torch.empty(zp.shape, dtype=zp.dtype, device=pctx.dist.device)
+
+
+class _GraphCompile:
+    """One dynamo graph's trip through the passes and the compiler."""
+
+    def __init__(self, cfg: zconfig.Config, ctx: DistContext, params: dict[int, shard_store.ShardedParam],
+                 num_args: int):
+        self.cfg, self.ctx, self.params, self.num_args = cfg, ctx, params, num_args
+        self.graph_id = next(_graph_ids)
+        self.dump = GraphDumper(cfg.dump_dir, ctx.rank, self.graph_id)
+        self.final: dict[str, fx.GraphModule] = {}
+
+    def pctx(self, kind: str) -> PassContext:
+        return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args)
+
+    def dumper(self, kind: str):
+        return lambda name, gm: self.dump(kind, name, gm)
+
+    def split_passes(self, gm: fx.GraphModule, kind: str) -> tuple[fx.GraphModule, PassContext]:
+        pctx = self.pctx(kind)
+        self.dump(kind, "input", gm)
+        gm = passes.run_phase("split", gm, pctx, self.dumper(kind))
+        _set_placeholder_vals(gm, pctx)
+        _refresh_meta(gm)
+        self.final[kind] = gm
+        return gm, pctx
+
+    def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        self.dump("joint", "input", joint)
+        joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        fw, self.fw_pctx = self.split_passes(fw, "forward")
+        bw, self.bw_pctx = self.split_passes(bw, "backward")
+        self.dump.schedule({"forward": fw, "backward": bw})
+        if self.cfg.schedule_check:
+            schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw})
+        return fw, bw
+
+    def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
+        if kind == "inference":
+            gm, pctx = self.split_passes(gm, kind)
+            self.dump.schedule({"inference": gm})
+            if self.cfg.schedule_check:
+                schedule_check.agree(self.ctx, self.graph_id, {"inference": gm})
+        else:
+            pctx = self.fw_pctx if kind == "forward" else self.bw_pctx
+        fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
+        side = list(pctx.side_inputs)
+        if not side:
+            return compiled
+
+        def with_side_inputs(args):
+            args = list(args)
+            args.extend(zp.full_view() for zp in side)
+            return compiled(args)
+
+        with_side_inputs._boxed_call = True
+        return with_side_inputs
+
+
+class ZCompileError(RuntimeError):
+    """A failure inside the zero backend. Never a silent fallback: eager would run on storage-free stand-ins."""
+
+
+def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """The `zero` backend for torch.compile."""
+    try:
+        return _compile(gm, example_inputs, options, **kwargs)
+    except (zconfig.ConfigError, schedule_check.ScheduleMismatch):
+        raise
+    except Exception as e:
+        # dynamo turns some exception types into a graph break that runs eager code; re-raise as our own type.
+        raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e
+
+
+def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    if kwargs:
+        raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
+    cfg = zconfig.from_options(options)
+    ctx = DistContext.current()
+    params = {i: shard_store.register(x, cfg.stage, ctx)
+              for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
+    job = _GraphCompile(cfg, ctx, params, len(example_inputs))
+    job.dump("dynamo", "input", gm)
+    gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
+
+    compiled = aot_autograd(
+        fw_compiler=functools.partial(_boxed, job, "forward"),
+        bw_compiler=functools.partial(_boxed, job, "backward"),
+        inference_compiler=functools.partial(_boxed, job, "inference"),
+        partition_fn=job.partition,
+        decompositions=select_decomp_table(),
+    )(gm, example_inputs)
+
+    for zp in params.values():
+        zp.release_full()
+
+    def run(*args):
+        args = list(args)
+        for i, zp in params.items():
+            args[i] = zp.graph_input()
+        return compiled(*args)
+
+    run.zc_job = job
+    return run
+
+
+def _boxed(job: _GraphCompile, kind: str, gm: fx.GraphModule, example_inputs):
+    return job.compiler(kind, gm, example_inputs)

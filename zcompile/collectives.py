@@ -1,0 +1,47 @@
+"""Emitting functional collectives into FX graphs, each annotated with what it moves and why.
+
+Every collective is `torch.ops._c10d_functional.<op>` followed by `wait_tensor`, so inductor keeps it in the compiled
+graph and a dump shows exactly where it is issued and where it is waited on.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+c10d = torch.ops._c10d_functional
+COLLECTIVE_OPS = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+}
+
+
+def _annotate(node: fx.Node, op: str, nbytes: int, group: str, why: str) -> None:
+    node.meta["zc_comm"] = {"op": op, "bytes": int(nbytes), "group": group, "why": why}
+
+
+def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, world: int, group: str,
+               why: str) -> fx.Node:
+    """All-gather a flat [numel] shard into a flat [world*numel] tensor; returns the wait node."""
+    ag = graph.call_function(c10d.all_gather_into_tensor.default, (shard, world, group))
+    _annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why)
+    return graph.call_function(c10d.wait_tensor.default, (ag,))
+
+
+def reduce_scatter(graph: fx.Graph, flat: fx.Node, numel: int, dtype: torch.dtype, world: int, group: str,
+                   why: str) -> fx.Node:
+    """Sum-reduce-scatter a flat [numel] tensor (numel divisible by world); returns the wait node."""
+    rs = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
+    _annotate(rs, "reduce_scatter", numel * dtype.itemsize, group, why)
+    return graph.call_function(c10d.wait_tensor.default, (rs,))
+
+
+def all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, dtype: torch.dtype, group: str, why: str) -> fx.Node:
+    ar = graph.call_function(c10d.all_reduce.default, (tensor, "sum", group))
+    _annotate(ar, "all_reduce", numel * dtype.itemsize, group, why)
+    return graph.call_function(c10d.wait_tensor.default, (ar,))
+
+
+def schedule(gm: fx.GraphModule) -> list[dict]:
+    """The collectives of a graph in issue order, as recorded by the passes."""
+    return [dict(n.meta["zc_comm"], node=n.name) for n in gm.graph.nodes if "zc_comm" in n.meta]

@@ -1,0 +1,1 @@
+"""Small reference models for examples, tests and benchmarks."""

@@ -1,0 +1,70 @@
+"""reduce_grads: average every parameter gradient over the data-parallel group where the backward produces it.
+
+Stage 0/1: `all_reduce` of the full gradient (replicated on every rank).
+Stage 2/3: the gradient is flattened, zero-padded to world*s, `reduce_scatter_tensor`-ed, and only this rank's
+s-element shard leaves the graph, so the full gradient dies inside the backward.
+
+Gradients are pre-scaled by 1/world (a sum of pre-divided values: no overflow, no AVG support needed from gloo) and
+communicated in mixed_precision.reduce_dtype; a gradient that the backward just up-cast from that dtype is
+reduced before the cast.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from zcompile import collectives
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _in_dtype(graph: fx.Graph, g: fx.Node, dtype: torch.dtype) -> fx.Node:
+    val = g.meta.get("val")
+    if val is not None and val.dtype == dtype:
+        return g
+    if g.op == "call_function" and g.target is prims.convert_element_type.default:
+        src = g.args[0]
+        if isinstance(src, fx.Node) and src.meta.get("val") is not None and src.meta["val"].dtype == dtype:
+            return src
+    return graph.call_function(prims.convert_element_type.default, (g, dtype))
+
+
+def _reduce(graph: fx.Graph, g: fx.Node, zp, pctx) -> fx.Node:
+    rdtype = pctx.cfg.mixed_precision.reduce_dtype
+    world, group = pctx.dist.world, pctx.dist.group_name
+    val = g.meta.get("val")
+    g = _in_dtype(graph, g, rdtype)
+    if pctx.cfg.stage >= 2 and val is not None and not val.is_contiguous():
+        g = graph.call_function(aten.clone.default, (g,), {"memory_format": torch.contiguous_format})
+    scaled = graph.call_function(aten.mul.Tensor, (g, 1.0 / world))
+    if pctx.cfg.stage < 2:
+        why = f"backward: average grad {list(zp.shape)} over {world} ranks (replicated)"
+        out = collectives.all_reduce(graph, scaled, zp.numel, rdtype, group, why)
+    else:
+        flat = graph.call_function(aten.view.default, (scaled, [zp.numel]))
+        if zp.padded_numel != zp.numel:
+            flat = graph.call_function(aten.constant_pad_nd.default, (flat, [0, zp.padded_numel - zp.numel], 0.0))
+        why = f"backward: average grad {list(zp.shape)} over {world} ranks, keep shard of {zp.shard_numel}"
+        out = collectives.reduce_scatter(graph, flat, zp.padded_numel, rdtype, world, group, why)
+    if rdtype != zp.dtype:
+        out = graph.call_function(prims.convert_element_type.default, (out, zp.dtype))
+    return out
+
+
+def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
+    if pctx.kind != "backward":
+        return gm
+    graph = gm.graph
+    out = graph.output_node()
+    grads = list(out.args[0])
+    if len(grads) < pctx.num_args:
+        raise RuntimeError(f"backward graph returns {len(grads)} gradients for {pctx.num_args} inputs")
+    for i, zp in pctx.params.items():
+        g = grads[i]
+        if g is None:
+            continue
+        with graph.inserting_before(out):
+            grads[i] = _reduce(graph, g, zp, pctx)
+    out.args = (type(out.args[0])(grads),)
+    return gm

@@ -1,0 +1,90 @@
+"""shard_params: parameters enter the graph as flat shards; each is made whole right before its first use.
+
+Stage 3: inserts `all_gather_into_tensor` + `wait_tensor` + slice/view before the first use of every parameter in
+the forward graph, and again in the backward graph for every parameter the backward needs (the partitioner saved
+only the shard, see tag_param_recompute). When every use of a parameter is a cast to a lower compute dtype, the
+shard is cast first, so the gather moves bf16 bytes. The gathered tensor is freed after its last use by the
+generated code (`name = None`), which is the release.
+
+Stage 2: parameters stay whole on every rank; the full tensor is appended to the graph inputs (a side input the
+runtime supplies) and replaces the shard's uses. No communication in forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from zcompile import collectives
+
+aten = torch.ops.aten
+_CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
+
+
+def _cast_dtype(node: fx.Node) -> torch.dtype | None:
+    if node.op != "call_function" or node.target not in _CASTS:
+        return None
+    if node.target is aten._to_copy.default and set(node.kwargs) - {"dtype"}:
+        return None
+    return node.args[1] if node.target is torch.ops.prims.convert_element_type.default else node.kwargs.get("dtype")
+
+
+def _full_from_flat(graph: fx.Graph, flat: fx.Node, zp) -> fx.Node:
+    if zp.padded_numel != zp.numel:
+        flat = graph.call_function(aten.slice.Tensor, (flat, 0, 0, zp.numel))
+    return graph.call_function(aten.view.default, (flat, list(zp.shape)))
+
+
+def _gather(graph: fx.Graph, shard: fx.Node, zp, dtype: torch.dtype, pctx, cast: bool) -> fx.Node:
+    src = graph.call_function(torch.ops.prims.convert_element_type.default, (shard, dtype)) if cast else shard
+    why = (f"{pctx.kind}: gather param {list(zp.shape)} ({dtype}) before first use"
+           + ("; re-gather, forward released it" if pctx.kind == "backward" else ""))
+    flat = collectives.all_gather(graph, src, zp.shard_numel, dtype, zp.world, zp.group_name, why)
+    return _full_from_flat(graph, flat, zp)
+
+
+def _side_input(gm: fx.GraphModule, zp, pctx) -> fx.Node:
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(f"zc_full_param_{len(pctx.side_inputs)}")
+    node.meta["zc_note"] = f"stage 2: persistent full param {list(zp.shape)}, supplied by the shard store"
+    pctx.side_inputs.append(zp)
+    return node
+
+
+def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
+    if pctx.cfg.stage < 2:
+        return gm
+    graph = gm.graph
+    for i, ph in pctx.param_placeholders(gm).items():
+        zp = pctx.params[i]
+        ph.meta["zc_note"] = f"shard of param {list(zp.shape)}: {zp.shard_numel} of {zp.numel} elements"
+        users = [u for u in ph.users if u.op != "output"]
+        if not users:
+            continue
+        if pctx.cfg.stage == 2:
+            full = _side_input(gm, zp, pctx)
+            for u in users:
+                u.replace_input_with(ph, full)
+            continue
+        first = min(users, key=lambda u: _position(graph, u))
+        cast_to = {_cast_dtype(u) for u in users}
+        cast_first = len(cast_to) == 1 and None not in cast_to and next(iter(cast_to)).itemsize < zp.dtype.itemsize
+        with graph.inserting_before(first):
+            if cast_first:
+                dtype = next(iter(cast_to))
+                full = _gather(graph, ph, zp, dtype, pctx, cast=True)
+                for u in users:
+                    u.replace_all_uses_with(full)
+                    graph.erase_node(u)
+            else:
+                full = _gather(graph, ph, zp, zp.dtype, pctx, cast=False)
+                for u in users:
+                    u.replace_input_with(ph, full)
+    return gm
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    for k, n in enumerate(graph.nodes):
+        if n is node:
+            return k
+    raise KeyError(node)

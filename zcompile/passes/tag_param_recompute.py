@@ -1,0 +1,28 @@
+"""tag_param_recompute: mark forward nodes computed only from parameters as must-recompute.
+
+Casts, transposes and views of a weight would otherwise be saved for backward, keeping a full (gathered) weight
+alive from forward to backward. Tagged, the partitioner saves the parameter itself (its shard, after shard_params)
+and the backward re-derives them from a re-gathered copy: ZeRO-3's release-after-forward, re-gather-in-backward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+
+def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
+    if pctx.cfg.stage < 2:
+        return gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    primals = [n for n in placeholders if n.name.startswith("primals")]
+    param_derived = {primals[i] for i in pctx.params if i < len(primals)}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(a in param_derived for a in inputs) and isinstance(node.meta.get("val"), torch.Tensor):
+            param_derived.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0
+    return gm

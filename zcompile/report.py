@@ -1,0 +1,76 @@
+"""Per-rank model-state memory: measured bytes of parameters, gradients and optimizer state vs the ZeRO formula.
+
+With fp32 master parameters and Adam's two moments (K=8 bytes/param of optimizer state), P parameters, N ranks:
+  stage 0: 4P + 4P + 8P      stage 1: 4P + 4P + 8P/N      stage 2: 4P + (4+8)P/N      stage 3: (4+4+8)P/N = 16P/N
+Mixed precision changes compute dtype only: the persistent state is the same fp32 master, gradient and moments.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from zcompile import shard_store
+
+
+def expected_bytes(stage: int, P: int, N: int) -> int:
+    param = 4 * P if stage < 3 else 4 * P / N
+    grad = 4 * P if stage < 2 else 4 * P / N
+    optim = 8 * P if stage < 1 else 8 * P / N
+    return int(param + grad + optim)
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    rank: int
+    world: int
+    stage: int
+    num_params: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    expected: int
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+    @property
+    def ratio(self) -> float:
+        return self.total / self.expected
+
+    def __str__(self) -> str:
+        mib = 1 / 2**20
+        return (f"[rank {self.rank}/{self.world}] stage {self.stage}, P={self.num_params:,}: params "
+                f"{self.param_bytes * mib:.2f} MiB + grads {self.grad_bytes * mib:.2f} MiB + optimizer "
+                f"{self.optim_bytes * mib:.2f} MiB = {self.total * mib:.2f} MiB; ZeRO formula "
+                f"{self.expected * mib:.2f} MiB (x{self.ratio:.4f})")
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryReport:
+    """Measure this rank's model-state bytes. Call after an optimizer step (Adam creates its state lazily)."""
+    shard_store.adopt_optimizer(optimizer)
+    P = param_b = grad_b = 0
+    zps = []
+    for p in model.parameters():
+        zp = shard_store.owner(p)
+        if zp is None:
+            raise RuntimeError("memory_report needs a model compiled with backend='zero' that has run a step")
+        zps.append(zp)
+        P += zp.numel
+        if zp.stage == 3:
+            param_b += _nbytes(zp.shard)
+        elif zp.stage in (1, 2):
+            param_b += _nbytes(zp.full)  # stage 2's shard is a view into it
+        else:
+            param_b += _nbytes(p)
+        grad_b += _nbytes(zp.optimizer_tensor().grad)
+    optim_b = sum(_nbytes(v) for zp in zps for v in optimizer.state.get(zp.optimizer_tensor(), {}).values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+    stage, world = zps[0].stage, zps[0].world
+    return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b, expected_bytes(stage, P, world))

@@ -1,0 +1,44 @@
+"""Collective-schedule agreement: ranks compare a hash of their compiled collective sequence before running it.
+
+Ranks that compiled different schedules (different graphs, configs or world sizes) would otherwise deadlock or
+exchange mismatched buffers at the first differing collective; here they all fail with a message naming the
+difference.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+import torch.fx as fx
+
+from zcompile import collectives
+from zcompile.dist_context import DistContext
+
+
+class ScheduleMismatch(RuntimeError):
+    pass
+
+
+def fingerprint(graphs: dict[str, fx.GraphModule]) -> tuple[str, str]:
+    """(short hash, readable summary) of the collectives of the given graphs, in issue order."""
+    desc = {kind: [(c["op"], c["bytes"], c["group"]) for c in collectives.schedule(gm)] for kind, gm in graphs.items()}
+    text = json.dumps(desc, sort_keys=True)
+    summary = ", ".join(f"{k}: {len(v)} collectives / {sum(b for _, b, _ in v)} bytes" for k, v in desc.items())
+    return hashlib.sha256(text.encode()).hexdigest()[:16], summary
+
+
+def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule]) -> None:
+    if ctx.world == 1:
+        return
+    digest, summary = fingerprint(graphs)
+    mine = (graph_id, digest, summary)
+    everyone: list = [None] * ctx.world
+    with _disable_current_modes():  # called while AOTAutograd traces under a fake mode
+        dist.all_gather_object(everyone, mine, group=ctx.group)
+    if any(e[:2] != mine[:2] for e in everyone):
+        lines = "\n".join(f"  rank {r}: graph {g} schedule {d} ({s})" for r, (g, d, s) in enumerate(everyone))
+        raise ScheduleMismatch(
+            "ranks compiled different collective schedules; running them would deadlock or corrupt data.\n"
+            f"{lines}\nCheck that every rank runs the same model, config, batch shapes and world size.")

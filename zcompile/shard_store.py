@@ -1,0 +1,179 @@
+"""Runtime home of parameter shards.
+
+Each parameter is flattened and zero-padded to world*s elements; rank r owns elements [r*s, (r+1)*s).
+
+- stage 0/1: the parameter keeps its full data (inside a padded flat buffer) and is itself the graph input.
+  Stage 1 lets the optimizer see only the local slice of data and gradient during `step`, then all-gathers.
+- stage 2/3: the optimizer steps `shard`, an fp32 leaf of s elements that is the graph input and receives the
+  reduce-scattered gradient. The user's parameter keeps a full-shape, storage-free stand-in so dynamo's guards stay
+  stable. Stage 2 also keeps the full parameter (`full`), refreshed by an all-gather after each step; stage 3 does not.
+
+The user's parameter keeps its shape and strides throughout (dynamo guards on them): stages 1/2 re-point it at a
+contiguous view of the padded full buffer; stage 3 frees its storage with `untyped_storage().resize_(0)` (as FSDP
+does) once the graph is compiled.
+
+The optimizer is handled by global step hooks: a standard torch.optim optimizer works unchanged.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from zcompile.dist_context import DistContext, all_gather_flat
+
+
+class ShardedParam:
+    def __init__(self, param: nn.Parameter, stage: int, ctx: DistContext):
+        if not param.is_floating_point():
+            raise TypeError(f"zcompile shards floating-point parameters only, got {param.dtype}")
+        self.param_ref = weakref.ref(param)
+        self.stage, self.rank, self.world = stage, ctx.rank, ctx.world
+        self.group_name, self.group = ctx.group_name, ctx.group
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.dtype = param.dtype
+        self.shard_numel = max(1, math.ceil(self.numel / self.world))
+        self.padded_numel = self.shard_numel * self.world
+        self.lo = min(self.rank * self.shard_numel, self.numel)
+        self.hi = min(self.lo + self.shard_numel, self.numel)
+        data = param.detach()
+        self.full: torch.Tensor | None = None
+        self.shard: nn.Parameter | None = None
+        if stage in (1, 2) and not param.is_contiguous():
+            raise ValueError(f"stage {stage} needs contiguous parameters; got one of shape {self.shape} with strides "
+                             f"{tuple(param.stride())}")
+        if stage in (1, 2):
+            self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=data.device)
+            self.full[: self.numel].copy_(data.reshape(-1))
+        if stage in (2, 3):
+            if stage == 2:
+                local = self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+            else:
+                local = torch.zeros(self.shard_numel, dtype=self.dtype, device=data.device)
+                local[: self.hi - self.lo].copy_(data.reshape(-1)[self.lo:self.hi])
+            self.shard = nn.Parameter(local, requires_grad=param.requires_grad)
+            self.shard._zc_owner = self  # lets checkpoints and clipping find the parameter a shard belongs to
+        if stage in (1, 2):
+            param.data = self.full_view()
+        self._step_grad: torch.Tensor | None = None
+
+    @property
+    def param(self) -> nn.Parameter:
+        p = self.param_ref()
+        assert p is not None, "parameter was freed while its shard is in use"
+        return p
+
+    def release_full(self) -> None:
+        """Stage 3: free the user parameter's full storage, keeping its metadata (the shard holds the values)."""
+        p = self.param
+        if self.stage != 3 or p.untyped_storage().nbytes() == 0:
+            return
+        if p.untyped_storage().nbytes() != self.numel * self.dtype.itemsize:
+            p.data = p.data.clone()  # shares storage with other tensors: free only its own copy
+        p.untyped_storage().resize_(0)
+
+    def full_view(self) -> torch.Tensor:
+        """The persistent full parameter (stages 0-2), shaped like the original."""
+        return self.full[: self.numel].view(self.shape)
+
+    def graph_input(self) -> torch.Tensor:
+        return self.shard if self.stage >= 2 else self.param
+
+    def local_slice(self) -> torch.Tensor:
+        """This rank's padded slice of the full buffer (stages 1/2)."""
+        return self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+
+    # -- stage 1: the optimizer sees only this rank's slice while it steps
+    def enter_step(self) -> None:
+        p = self.param
+        self._step_grad = p.grad
+        p.data = self.full[self.lo:self.hi]
+        p.grad = None if self._step_grad is None else self._step_grad.reshape(-1)[self.lo:self.hi]
+
+    def exit_step(self) -> None:
+        p = self.param
+        p.data = self.full_view()
+        p.grad = self._step_grad
+        self._step_grad = None
+
+    def optimizer_tensor(self) -> torch.Tensor:
+        """The tensor the optimizer steps for this parameter."""
+        return self.shard if self.stage >= 2 else self.param
+
+
+def register(param: nn.Parameter, stage: int, ctx: DistContext) -> ShardedParam:
+    """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity)."""
+    zp = getattr(param, "_zc", None)
+    if zp is not None:
+        if zp.stage != stage or zp.world != ctx.world:
+            raise RuntimeError(f"parameter of shape {tuple(param.shape)} is already sharded for stage {zp.stage} "
+                               f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
+                               f"{ctx.world} ranks")
+        return zp
+    zp = ShardedParam(param, stage, ctx)
+    param._zc = zp
+    return zp
+
+
+def owner(t: torch.Tensor) -> ShardedParam | None:
+    """The ShardedParam a user parameter or an optimizer shard belongs to."""
+    return getattr(t, "_zc", None) or getattr(t, "_zc_owner", None)
+
+
+def gather_full(zps: list[ShardedParam]) -> None:
+    """Refresh the full buffers of stage 1/2 parameters from every rank's updated slice, in one collective."""
+    if not zps:
+        return
+    by_key: dict = {}
+    for zp in zps:
+        by_key.setdefault((zp.group_name, zp.dtype, zp.full.device), []).append(zp)
+    for items in by_key.values():
+        group = items[0].group
+        send = torch.cat([zp.local_slice() for zp in items])
+        recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
+        all_gather_flat(recv, send, group)
+        per_rank = recv.view(items[0].world, -1)
+        offset = 0
+        for zp in items:
+            zp.full.view(zp.world, zp.shard_numel).copy_(per_rank[:, offset:offset + zp.shard_numel])
+            offset += zp.shard_numel
+
+
+def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Point the optimizer at the shards of stage 2/3 parameters, moving any state it already holds."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            zp = getattr(p, "_zc", None)
+            if zp is not None and zp.stage >= 2:
+                params[i] = zp.shard
+                if p in optimizer.state:
+                    optimizer.state[zp.shard] = optimizer.state.pop(p)
+
+
+def _managed(optimizer: torch.optim.Optimizer) -> list[ShardedParam]:
+    return [zp for g in optimizer.param_groups for p in g["params"] if (zp := owner(p)) is not None]
+
+
+def _pre_step(optimizer, args, kwargs) -> None:
+    adopt_optimizer(optimizer)
+    for zp in _managed(optimizer):
+        if zp.stage == 1:
+            zp.enter_step()
+
+
+def _post_step(optimizer, args, kwargs) -> None:
+    zps = _managed(optimizer)
+    for zp in zps:
+        if zp.stage == 1:
+            zp.exit_step()
+    gather_full([zp for zp in zps if zp.stage in (1, 2)])
+
+
+register_optimizer_step_pre_hook(_pre_step)
+register_optimizer_step_post_hook(_post_step)
