@@ -17,14 +17,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, env: dict) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, env: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **env)
     torch.set_num_threads(1)
     import torch.distributed as dist
     try:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        result = fn(rank, world, *args)
+        result = fn(rank, world, *args, **kwargs)
         torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
     except BaseException:
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
@@ -41,12 +41,12 @@ class WorkerFailed(AssertionError):
         super().__init__("\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(errors.items())))
 
 
-def run_world(world: int, fn, *args, timeout: float = 600, env: dict | None = None) -> list:
-    """fn(rank, world, *args) on `world` processes; returns their results, or raises WorkerFailed with tracebacks."""
+def run_world(world: int, fn, *args, timeout: float = 600, env: dict | None = None, **kwargs) -> list:
+    """fn(rank, world, *args, **kwargs) on `world` processes; returns their results, or raises WorkerFailed with tracebacks."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, env or {})) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, env or {})) for r in range(world)]
         for p in procs:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tests import workers
-from tests.harness import run_world
+from tests.harness import WorkerFailed, run_world
 
 TOL = 1e-5
 
@@ -72,3 +72,18 @@ def test_new_batch_size_recompiles_and_stays_correct():
     results = run_world(2, workers.parity, "gpt", [3], steps=5, batch_sizes=sizes)
     for res in results:
         assert max_diff(res[3]["params"], ref_params) < TOL
+
+
+def test_graph_breaks_map_parameters_by_identity():
+    """Three graphs; the tied embedding is an input of the first and the last one and gets both gradients."""
+    ref_params, _ = workers.reference("gpt_break", 2, steps=5)
+    results = run_world(2, workers.parity, "gpt_break", [0, 3])
+    for res in results:
+        for stage in (0, 3):
+            assert max_diff(res[stage]["params"], ref_params) < TOL, f"stage {stage}"
+
+
+def test_parameters_left_in_eager_code_are_an_error_not_silent_drift():
+    with pytest.raises(WorkerFailed) as e:
+        run_world(2, workers.parity, "gpt_loop_break", [3], steps=1)
+    assert all("never an input of a graph compiled by the zero backend" in t for t in e.value.errors.values())

@@ -7,16 +7,24 @@ import torch
 import torch.distributed as dist
 
 import zcompile
-from zcompile.models.gpt import GPT, GPTConfig
+from zcompile.models.gpt import GPT, GPTConfig, GPTOutput
 
 VOCAB, SEQ, MICRO = 128, 16, 2  # micro-batch of MICRO sequences per rank
 LR = 1e-3
+# Adam divides by sqrt(v) + eps: with the default eps=1e-8 a gradient element that is ~0 up to rounding gets an
+# lr-sized update whose sign is the rounding noise, so compiled-vs-eager kernels differ by up to lr there. eps=1e-6
+# damps only such noise-level elements; a wrong reduction or shard moves ordinary gradients and still shows.
+EPS = 1e-6
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    if name == "gpt_break":
+        return BreakingGPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    if name == "gpt_loop_break":
+        return LoopBreakGPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
     if name == "gpt3":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=3, n_head=4, n_embd=64))
     if name == "llama":
@@ -46,7 +54,7 @@ def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | N
               batch_sizes: list[int] | None = None) -> tuple[dict, list[float]]:
     """Single-process data-parallel semantics: every rank's micro-batch loss, averaged, one AdamW step."""
     model = build_model(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
@@ -72,7 +80,7 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int
     if model is None:
         torch._dynamo.reset()
         model = torch.compile(build_model(name), backend="zero", options={"config": config})
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(start, start + steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
@@ -111,7 +119,7 @@ def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: s
     # A fresh process state: other initial weights, new compile, then resume from the checkpoint.
     torch._dynamo.reset()
     fresh = torch.compile(build_model(name, seed=123), backend="zero", options={"config": config})
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
     extra = zcompile.load_checkpoint(directory, fresh, fresh_opt)
     _, _, resumed = train(rank, world, name, config, 2, model=fresh, opt=fresh_opt, start=extra["step"])
     return {"continued": continued, "resumed": resumed, "full": full, "resumed_full": zcompile.full_state_dict(fresh)}
@@ -126,3 +134,46 @@ def mismatched_models(rank: int, world: int) -> None:
 def dump_graphs(rank: int, world: int, directory: str, config: dict) -> list:
     train(rank, world, "gpt", dict(config, dump=directory), 1)
     return sorted(__import__("os").listdir(f"{directory}/rank{rank}"))
+
+
+def load_only(rank: int, world: int, name: str, stage: int, directory: str) -> None:
+    model = torch.compile(build_model(name), backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
+    zcompile.load_checkpoint(directory, model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+
+
+class BreakingGPT(GPT):
+    """The small GPT with two graph breaks: the tied embedding is used by the first and the last graph."""
+
+    def forward(self, idx, targets=None):
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        torch._dynamo.graph_break()
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return GPTOutput(logits, loss)
+
+
+def schedule_and_losses(rank: int, world: int, directory: str, config: dict) -> dict:
+    import glob
+    import re
+    _, _, losses = train(rank, world, "gpt", dict(config, dump=directory), 8)
+    sched = open(f"{directory}/rank{rank}/graph0_schedule.txt").read()
+    m = re.search(r"== forward: \d+ collectives, .*\((\d+) bytes\)", sched)
+    code = open(sorted(glob.glob(f"{directory}/rank{rank}/graph0_forward_*_shard_params.py"))[0]).read()
+    return {"losses": losses, "forward_bytes": int(m.group(1)), "forward_code": code}
+
+
+class LoopBreakGPT(GPT):
+    """A graph break dynamo cannot resume from (inside the loop over blocks): the blocks run eagerly."""
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        logits = self.lm_head(self.ln_f(x))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return GPTOutput(logits, loss)

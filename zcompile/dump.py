@@ -42,7 +42,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
 def schedule_text(kind: str, gm: fx.GraphModule) -> str:
     sched = collectives.schedule(gm)
     total = sum(c["bytes"] for c in sched)
-    out = [f"== {kind}: {len(sched)} collectives, {_fmt_bytes(total)}"]
+    out = [f"== {kind}: {len(sched)} collectives, {_fmt_bytes(total)} ({total} bytes)"]
     out += [f"  {k:3d} {c['op']:<15} {_fmt_bytes(c['bytes']):>10}  group={c['group']}  {c['node']}: {c['why']}"
             for k, c in enumerate(sched)]
     return "\n".join(out) + "\n"

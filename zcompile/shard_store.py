@@ -160,8 +160,24 @@ def _managed(optimizer: torch.optim.Optimizer) -> list[ShardedParam]:
     return [zp for g in optimizer.param_groups for p in g["params"] if (zp := owner(p)) is not None]
 
 
+def _check_all_managed(optimizer: torch.optim.Optimizer) -> None:
+    """A parameter that ran only in eager code (e.g. a graph break inside a loop) never had its gradient
+    averaged across ranks: stepping it would silently let the ranks' replicas drift apart."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(owner(p) is not None for p in params):
+        return
+    stray = [tuple(p.shape) for p in params if owner(p) is None and p.grad is not None]
+    if stray:
+        raise RuntimeError(
+            f"{len(stray)} parameter(s) with gradients (shapes {stray[:4]}{'...' if len(stray) > 4 else ''}) were "
+            "never an input of a graph compiled by the zero backend, so their gradients were not reduced across "
+            "ranks. They ran in eager code: look for a graph break dynamo could not resume from (e.g. inside a loop "
+            "over layers; TORCH_LOGS=graph_breaks shows them), or keep such parameters out of this optimizer.")
+
+
 def _pre_step(optimizer, args, kwargs) -> None:
     adopt_optimizer(optimizer)
+    _check_all_managed(optimizer)
     for zp in _managed(optimizer):
         if zp.stage == 1:
             zp.enter_step()
