@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = zcompile.config.load(args.config)  # fail fast on a bad config, before any process group work
-    ctx = zcompile.init_distributed("nccl" if args.device == "cuda" else "gloo")
+    ctx = zcompile.init_distributed("nccl" if args.device == "cuda" else "gloo", timeout_s=cfg.collective_timeout_s)
     device = ctx.device
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4,

@@ -23,7 +23,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, en
     torch.set_num_threads(1)
     import torch.distributed as dist
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        backend = os.environ.get("ZC_TEST_PG", "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
         result = fn(rank, world, *args, **kwargs)
         torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
     except BaseException:

@@ -51,15 +51,15 @@ def rank_slice(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | None = None,
-              batch_sizes: list[int] | None = None) -> tuple[dict, list[float]]:
+              batch_sizes: list[int] | None = None, device: str = "cpu") -> tuple[dict, list[float]]:
     """Single-process data-parallel semantics: every rank's micro-batch loss, averaged, one AdamW step."""
-    model = build_model(name)
+    model = build_model(name).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
         for a in range(accum):
-            x = global_batch(step * accum + a, world, micro)
+            x = global_batch(step * accum + a, world, micro).to(device)
             per_rank = [loss_of(model, name, rank_slice(x, r, world)) for r in range(world)]
             (sum(per_rank) / (world * accum)).backward()
             losses.append([l.item() for l in per_rank])
@@ -77,15 +77,16 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int
     `reports` collects the memory report of each step, taken after the step and before zero_grad, when parameters,
     gradients and optimizer state are all alive.
     """
+    device = zcompile.dist_context.DistContext.current().device
     if model is None:
         torch._dynamo.reset()
-        model = torch.compile(build_model(name), backend="zero", options={"config": config})
+        model = torch.compile(build_model(name).to(device), backend="zero", options={"config": config})
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(start, start + steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
         for a in range(accum):
-            x = rank_slice(global_batch(step * accum + a, world, micro), rank, world)
+            x = rank_slice(global_batch(step * accum + a, world, micro), rank, world).to(device)
             loss = loss_of(model, name, x)
             (loss / accum).backward()
             losses.append(loss.item())
@@ -106,7 +107,8 @@ def parity(rank: int, world: int, name: str, stages: list[int], backend: str = "
         reports = []
         model, opt, losses = train(rank, world, name, {"stage": stage, "backend": backend}, steps, reports=reports,
                                    **kw)
-        out[stage] = {"params": zcompile.full_state_dict(model), "losses": losses, "report": reports[-1]}
+        params = {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}
+        out[stage] = {"params": params, "losses": losses, "report": reports[-1]}
     return out
 
 
