@@ -87,3 +87,9 @@ def test_parameters_left_in_eager_code_are_an_error_not_silent_drift():
     with pytest.raises(WorkerFailed) as e:
         run_world(2, workers.parity, "gpt_loop_break", [3], steps=1)
     assert all("never an input of a graph compiled by the zero backend" in t for t in e.value.errors.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_from_eager_fallback_are_refused(stage):
+    for msg in run_world(2, workers.eager_step_after_compile, stage):
+        assert "got gradients from eager code" in msg

@@ -179,3 +179,15 @@ class LoopBreakGPT(GPT):
         logits = self.lm_head(self.ln_f(x))
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return GPTOutput(logits, loss)
+
+
+def eager_step_after_compile(rank: int, world: int, stage: int) -> str:
+    """A step whose forward dynamo runs eagerly must be refused at optimizer.step, not silently unreduced."""
+    model, opt, _ = train(rank, world, "gpt", {"stage": stage, "backend": "eager"}, 1)
+    with torch.compiler.set_stance("force_eager"):
+        loss_of(model, "gpt", rank_slice(global_batch(9, world), rank, world)).backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "stepped"

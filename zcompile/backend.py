@@ -20,7 +20,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from zcompile import backends, config as zconfig, passes, schedule_check, shard_store
+from zcompile import backends, collectives, config as zconfig, passes, schedule_check, shard_store
 from zcompile.dist_context import DistContext
 from zcompile.dump import GraphDumper
 from zcompile.pass_context import PassContext
@@ -99,16 +99,17 @@ class _GraphCompile:
         fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
         side = list(pctx.side_inputs)
-        if not side:
-            return compiled
+        sched = collectives.schedule(gm)
 
-        def with_side_inputs(args):
-            args = list(args)
-            args.extend(zp.full_view() for zp in side)
+        def run_graph(args):
+            collectives.count(sched)
+            if side:
+                args = list(args)
+                args.extend(zp.full_view() for zp in side)
             return compiled(args)
 
-        with_side_inputs._boxed_call = True
-        return with_side_inputs
+        run_graph._boxed_call = True
+        return run_graph
 
 
 class ZCompileError(RuntimeError):

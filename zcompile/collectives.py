@@ -5,6 +5,8 @@ graph and a dump shows exactly where it is issued and where it is waited on.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.fx as fx
 
@@ -45,3 +47,21 @@ def all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, dtype: torch.dtype,
 def schedule(gm: fx.GraphModule) -> list[dict]:
     """The collectives of a graph in issue order, as recorded by the passes."""
     return [dict(n.meta["zc_comm"], node=n.name) for n in gm.graph.nodes if "zc_comm" in n.meta]
+
+
+# Bytes of every collective this process issued (compiled graphs and optimizer-step refreshes), by op.
+TRAFFIC: collections.Counter = collections.Counter()
+
+
+def count(sched: list[dict]) -> None:
+    for c in sched:
+        TRAFFIC[c["op"]] += c["bytes"]
+
+
+def traffic() -> dict[str, int]:
+    """Collective bytes issued by this process since the last reset_traffic(), by op."""
+    return dict(TRAFFIC)
+
+
+def reset_traffic() -> None:
+    TRAFFIC.clear()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from zcompile import collectives
 from zcompile.dist_context import DistContext, all_gather_flat
 
 
@@ -61,6 +62,7 @@ class ShardedParam:
         if stage in (1, 2):
             param.data = self.full_view()
         self._step_grad: torch.Tensor | None = None
+        self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
 
     @property
     def param(self) -> nn.Parameter:
@@ -82,6 +84,7 @@ class ShardedParam:
         return self.full[: self.numel].view(self.shape)
 
     def graph_input(self) -> torch.Tensor:
+        self.compiled_calls += 1
         return self.shard if self.stage >= 2 else self.param
 
     def local_slice(self) -> torch.Tensor:
@@ -137,6 +140,7 @@ def gather_full(zps: list[ShardedParam]) -> None:
         send = torch.cat([zp.local_slice() for zp in items])
         recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
         all_gather_flat(recv, send, group)
+        collectives.TRAFFIC["all_gather"] += recv.numel() * recv.element_size()
         per_rank = recv.view(items[0].world, -1)
         offset = 0
         for zp in items:
@@ -167,12 +171,25 @@ def _check_all_managed(optimizer: torch.optim.Optimizer) -> None:
     if not any(owner(p) is not None for p in params):
         return
     stray = [tuple(p.shape) for p in params if owner(p) is None and p.grad is not None]
+    eager = [zp.shape for zp in map(owner, params) if zp is not None and _has_eager_grad(zp)]
+    if eager:
+        raise RuntimeError(
+            f"{len(eager)} sharded parameter(s) (shapes {eager[:4]}) got gradients from eager code, not from a graph "
+            "compiled by the zero backend, so those gradients were not reduced across ranks. Dynamo ran part of the "
+            "model without compiling it: a recompile limit reached, torch.compiler.disable, or a TorchDispatchMode "
+            "active around the forward (TORCH_LOGS=recompiles,graph_breaks tells which).")
     if stray:
         raise RuntimeError(
             f"{len(stray)} parameter(s) with gradients (shapes {stray[:4]}{'...' if len(stray) > 4 else ''}) were "
             "never an input of a graph compiled by the zero backend, so their gradients were not reduced across "
             "ranks. They ran in eager code: look for a graph break dynamo could not resume from (e.g. inside a loop "
             "over layers; TORCH_LOGS=graph_breaks shows them), or keep such parameters out of this optimizer.")
+
+
+def _has_eager_grad(zp: ShardedParam) -> bool:
+    if zp.stage >= 2:  # the compiled graph gives gradients to the shard, never to the user's parameter
+        return zp.param.grad is not None
+    return zp.param.grad is not None and zp.compiled_calls == 0
 
 
 def _pre_step(optimizer, args, kwargs) -> None:
@@ -186,6 +203,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
 def _post_step(optimizer, args, kwargs) -> None:
     zps = _managed(optimizer)
     for zp in zps:
+        zp.compiled_calls = 0
         if zp.stage == 1:
             zp.exit_step()
     gather_full([zp for zp in zps if zp.stage in (1, 2)])

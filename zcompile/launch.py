@@ -1,0 +1,75 @@
+"""Run a function on N local processes joined in one process group (gloo on 127.0.0.1, or NCCL with
+ZC_TEST_PG=nccl), under a hard timeout: used by the tests and the benchmarks."""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, env: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **env)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    try:
+        backend = os.environ.get("ZC_TEST_PG", "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+        result = fn(rank, world, *args, **kwargs)
+        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerFailed(AssertionError):
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(errors.items())))
+
+
+def run_world(world: int, fn, *args, timeout: float = 600, env: dict | None = None, **kwargs) -> list:
+    """fn(rank, world, *args, **kwargs) on `world` processes; returns their results, or raises WorkerFailed with tracebacks."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, env or {})) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        for p in procs:
+            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = {}
+        for r in range(world):
+            path = os.path.join(out_dir, f"error{r}.txt")
+            if os.path.exists(path):
+                errors[r] = open(path).read()
+            elif r in hung:
+                errors[r] = f"still running after {timeout}s: killed"
+            elif procs[r].exitcode != 0:
+                errors[r] = f"exit code {procs[r].exitcode}"
+        if errors:
+            raise WorkerFailed(errors)
+        return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=False) for r in range(world)]
