@@ -247,6 +247,7 @@ def run_system(system: str, args) -> dict:
     try:
         results = run_world(args.world, worker, system, args, timeout=args.timeout, env=env)
     except WorkerFailed as e:
+        print(f"--- {system} failed:\n{e.errors[min(e.errors)]}", file=sys.stderr)
         last = e.errors[min(e.errors)].strip().splitlines()[-1]
         return {"system": system, "error": last}
     r0 = results[0]

@@ -28,12 +28,19 @@ from zcompile.pass_context import PassContext
 _graph_ids = itertools.count()
 
 
-def _refresh_meta(gm: fx.GraphModule) -> list:
-    """Re-run fake propagation after the passes changed input shapes and added nodes; returns the fake inputs."""
+def _refresh_meta(gm: fx.GraphModule, inputs: list | None = None) -> list:
+    """Re-run fake propagation after the passes changed input shapes and added nodes; returns the fake inputs.
+
+    `inputs` overrides the placeholders' own values (AOTAutograd re-strides saved activations to the layout the
+    compiled forward really produces; the backward must be compiled for those strides).
+    """
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in phs])
+    if inputs is None:
+        inputs = [n.meta["val"] for n in phs]
+    fake_mode = detect_fake_mode(inputs)
     assert fake_mode is not None, "graph placeholders carry no fake values"
-    inputs = [n.meta["val"] for n in phs]
+    for n, v in zip(phs, inputs):
+        n.meta["val"] = v
     FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
     return inputs
 
@@ -47,9 +54,11 @@ def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
             for i, ph in pctx.param_placeholders(gm).items():
                 zp = pctx.params[i]
                 ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=pctx.dist.device)
+                pctx.own_placeholders.add(ph.name)
         side = [n for n in phs if n.name.startswith("zc_full_param_")]
         for ph, zp in zip(side, pctx.side_inputs):
             ph.meta["val"] = torch.empty(zp.shape, dtype=zp.dtype, device=pctx.dist.device)
+            pctx.own_placeholders.add(ph.name)
 
 
 class _GraphCompile:
@@ -96,7 +105,12 @@ class _GraphCompile:
                 schedule_check.agree(self.ctx, self.graph_id, {"inference": gm})
         else:
             pctx = self.fw_pctx if kind == "forward" else self.bw_pctx
-        fake_inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        # AOTAutograd's example inputs carry the real layout of saved activations; ours, the shards and side inputs.
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_inputs = [n.meta["val"] if n.name in pctx.own_placeholders or k >= len(example_inputs)
+                       or not isinstance(example_inputs[k], torch.Tensor) else example_inputs[k]
+                       for k, n in enumerate(phs)]
+        _refresh_meta(gm, fake_inputs)
         compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)

@@ -18,6 +18,7 @@ class PassContext:
     params: dict[int, ShardedParam]         # graph-argument index -> its sharded parameter
     num_args: int                           # arguments of the dynamo graph
     side_inputs: list[ShardedParam] = dataclasses.field(default_factory=list)  # full params appended as inputs
+    own_placeholders: set[str] = dataclasses.field(default_factory=set)  # placeholders whose values we set
 
     def param_placeholders(self, gm: fx.GraphModule) -> dict[int, fx.Node]:
         """Placeholders that carry parameters in this graph, by argument index.
