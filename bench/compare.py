@@ -30,6 +30,7 @@ from zcompile.launch import WorkerFailed, run_world  # noqa: E402
 from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ["ddp", "fsdp2", "fsdp2_compile", "deepspeed_z3", "zcompile_z1", "zcompile_z2", "zcompile_z3"]
+SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_no_prefetch"]  # --systems all adds these
 LR = 1e-3
 
 
@@ -175,9 +176,10 @@ def setup_deepspeed_z3(model, world, device, args):
     return step
 
 
-def _zcompile(stage):
+def _zcompile(stage, **extra):
     def setup(model, world, device, args):
-        compiled = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "inductor"}})
+        config = {"stage": stage, "backend": "inductor", **extra}
+        compiled = torch.compile(model, backend="zero", options={"config": config})
         opt = torch.optim.AdamW(compiled.parameters(), lr=LR)
 
         def step(x, measure=False):
@@ -193,7 +195,10 @@ def _zcompile(stage):
 
 SETUP = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_compile": setup_fsdp2_compile,
          "deepspeed_z3": setup_deepspeed_z3, "zcompile_z1": _zcompile(1), "zcompile_z2": _zcompile(2),
-         "zcompile_z3": _zcompile(3)}
+         "zcompile_z3": _zcompile(3),
+         # the scheduling passes switched off, for their before/after
+         "zcompile_z3_unbucketed": _zcompile(3, bucket_mb=0, prefetch=0),
+         "zcompile_z3_no_prefetch": _zcompile(3, prefetch=0)}
 
 
 def worker(rank: int, world: int, system: str, args) -> dict:
@@ -305,14 +310,16 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, or 'all' (adds the zcompile "
+                    "stage-3 variants without bucketing / prefetch)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     tag = f"{args.model}-{args.size}-{args.device}-w{args.world}"
     rows = []
-    for system in args.systems.split(","):
+    systems = SYSTEMS + SCHEDULING if args.systems == "all" else args.systems.split(",")
+    for system in systems:
         t0 = time.time()
         rows.append(run_system(system, args))
         print(f"{system}: {'failed: ' + rows[-1]['error'] if 'error' in rows[-1] else 'ok'} ({time.time() - t0:.0f} s)",

@@ -191,3 +191,8 @@ def eager_step_after_compile(rank: int, world: int, stage: int) -> str:
     except RuntimeError as e:
         return str(e)
     return "stepped"
+
+
+def parity_with_config(rank: int, world: int, name: str, config: dict, steps: int = 5) -> dict:
+    model, _, losses = train(rank, world, name, config, steps)
+    return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses}

@@ -38,14 +38,22 @@ class Config:
     pipeline: tuple[str, ...] | None = None
     schedule_check: bool = True
     collective_timeout_s: float = 300.0
+    bucket_mb: float = 25.0
+    prefetch: int = 1
+    memory_budget: str | float | None = None
     source: str = "<defaults>"
+
+    def memory_budget_bytes(self, device: torch.device) -> int | None:
+        """The budget for a compiled graph's transient (activation + gathered parameter) bytes."""
+        return parse_bytes(self.memory_budget, device, self.source)
 
     @property
     def passes(self) -> tuple[str, ...]:
         """The pass pipeline: the YAML's, or the default for the stage."""
         if self.pipeline is not None:
             return self.pipeline
-        return ("mixed_precision", "tag_param_recompute", "shard_params", "reduce_grads")
+        return ("mixed_precision", "tag_param_recompute", "shard_params", "reduce_grads", "bucket_collectives",
+                "prefetch")
 
     @property
     def dump_dir(self) -> str | None:
@@ -64,7 +72,40 @@ SCHEMA: dict[str, Any] = {
     "pipeline": ((list, type(None)), "ordered pass names; default: the stage's pipeline"),
     "schedule_check": ((bool,), "ranks compare a hash of their collective schedule before the first run"),
     "collective_timeout_s": ((int, float), "seconds before a rank waiting on peers fails instead of hanging"),
+    "bucket_mb": ((int, float), "collectives are fused into buckets of up to this many MiB (0: one per parameter)"),
+    "prefetch": ((int,), "all-gathers issued this many buckets ahead of their use (0: right before use)"),
+    "memory_budget": ((str, int, float, type(None)),
+                      "cap on a compiled graph's transient bytes: '12GiB', bytes, or a fraction of device memory"),
 }
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_bytes(value, device: torch.device | None = None, where: str = "<config>") -> int | None:
+    """'12GiB' / '500 MB' / 123456 (bytes) / 0.8 (fraction of the device's memory) -> bytes."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: key 'memory_budget' must be a size, got {value!r}")
+    if isinstance(value, float) and 0 < value <= 1:
+        if device is not None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(value * total)
+    if isinstance(value, int) and value >= 1 or isinstance(value, float) and value > 1:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        for unit in sorted(_UNITS, key=len, reverse=True):
+            if text.endswith(unit):
+                try:
+                    return int(float(text[: -len(unit)]) * _UNITS[unit])
+                except ValueError:
+                    break
+    raise ConfigError(f"{where}: key 'memory_budget' must be like '12GiB', a byte count or a fraction in (0, 1], "
+                      f"got {value!r}")
 
 
 def _check_section(raw: dict, schema: dict, where: str, prefix: str = "") -> None:
@@ -117,6 +158,13 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     timeout = raw.get("collective_timeout_s", 300.0)
     if timeout <= 0:
         raise ConfigError(f"{where}: key 'collective_timeout_s' must be positive, got {timeout}")
+    bucket_mb = raw.get("bucket_mb", 25.0)
+    if bucket_mb < 0:
+        raise ConfigError(f"{where}: key 'bucket_mb' must be >= 0, got {bucket_mb}")
+    prefetch = raw.get("prefetch", 1)
+    if prefetch < 0:
+        raise ConfigError(f"{where}: key 'prefetch' must be >= 0, got {prefetch}")
+    parse_bytes(raw.get("memory_budget"), None, where)
     pipeline = raw.get("pipeline")
     if pipeline is not None:
         if not all(isinstance(p, str) for p in pipeline):
@@ -124,7 +172,8 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
         pipeline = tuple(pipeline)
     cfg = Config(stage=stage, backend=backend, mixed_precision=MixedPrecision(param_dtype, reduce_dtype),
                  dump=raw.get("dump"), pipeline=pipeline, schedule_check=raw.get("schedule_check", True),
-                 collective_timeout_s=float(timeout), source=where)
+                 collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
+                 memory_budget=raw.get("memory_budget"), source=where)
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:

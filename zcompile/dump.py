@@ -10,7 +10,7 @@ import re
 
 import torch.fx as fx
 
-from zcompile import collectives
+from zcompile import collectives, liveness
 
 _ASSIGN = re.compile(r"^(\s+)(\w+)(: \"[^\"]*\")? = ")
 
@@ -42,7 +42,9 @@ def annotated_code(gm: fx.GraphModule) -> str:
 def schedule_text(kind: str, gm: fx.GraphModule) -> str:
     sched = collectives.schedule(gm)
     total = sum(c["bytes"] for c in sched)
-    out = [f"== {kind}: {len(sched)} collectives, {_fmt_bytes(total)} ({total} bytes)"]
+    live = liveness.analyze(gm)
+    out = [f"== {kind}: {len(sched)} collectives, {_fmt_bytes(total)} ({total} bytes); planned transient peak "
+           f"{liveness.fmt(live.peak_bytes)} after {live.peak_node}, inputs {liveness.fmt(live.input_bytes)}"]
     out += [f"  {k:3d} {c['op']:<15} {_fmt_bytes(c['bytes']):>10}  group={c['group']}  {c['node']}: {c['why']}"
             for k, c in enumerate(sched)]
     return "\n".join(out) + "\n"
@@ -63,6 +65,8 @@ class GraphDumper:
         path = os.path.join(self.dir, f"graph{self.graph_id}_{kind}_{self.count:02d}_{pass_name}.py")
         with open(path, "w") as f:
             f.write(f"# zcompile graph {self.graph_id}, {kind} graph after pass '{pass_name}'\n")
+            for note in gm.meta.get("zc_notes", []):
+                f.write(f"# {note}\n")
             f.write(annotated_code(gm))
 
     def schedule(self, graphs: dict[str, fx.GraphModule]) -> None:

@@ -1,0 +1,87 @@
+"""Alias-aware liveness over an FX graph: the bytes of intermediate tensors alive after every node, and the peak.
+
+Tensors are tracked by storage (views share their base's storage, so they cost nothing extra); a storage is
+allocated by the first node that produces it and freed after the last node that reads any tensor on it. Graph
+inputs are counted apart (they are held by the caller); graph outputs live past the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+def fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@dataclasses.dataclass
+class Liveness:
+    live_after: list[tuple[str, int]]   # (node name, transient bytes alive after it)
+    peak_bytes: int
+    peak_node: str
+    input_bytes: int
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    n = t.untyped_storage().nbytes()
+    if isinstance(n, torch.SymInt):
+        n = n.node.hint if n.node.has_hint() else 0
+    return int(n)
+
+
+def analyze(gm: fx.GraphModule) -> Liveness:
+    nodes = list(gm.graph.nodes)
+    storages_of: dict[fx.Node, list] = {}
+    size: dict = {}
+    inputs: set = set()
+    for n in nodes:
+        keys = []
+        for t in _tensors(n.meta.get("val")):
+            key = StorageWeakRef(t.untyped_storage())
+            size.setdefault(key, _nbytes(t))
+            keys.append(key)
+            if n.op == "placeholder":
+                inputs.add(key)
+        storages_of[n] = keys
+    last_use: dict = {}
+    for k, n in enumerate(nodes):
+        for key in storages_of[n]:
+            last_use[key] = max(last_use.get(key, k), k)
+        for a in n.all_input_nodes:
+            for key in storages_of.get(a, []):
+                last_use[key] = k
+    for a in gm.graph.output_node().all_input_nodes:
+        for key in storages_of.get(a, []):
+            last_use[key] = len(nodes)
+    live, allocated, peak, peak_node, trace = 0, set(), 0, "", []
+    frees: dict[int, list] = {}
+    for key, k in last_use.items():
+        frees.setdefault(k, []).append(key)
+    for k, n in enumerate(nodes):
+        for key in storages_of[n]:
+            if key not in allocated and key not in inputs:
+                allocated.add(key)
+                live += size[key]
+        if live > peak:
+            peak, peak_node = live, n.name
+        for key in frees.get(k, []):
+            if key in allocated:
+                live -= size[key]
+                allocated.discard(key)
+        trace.append((n.name, live))
+    return Liveness(trace, peak, peak_node, sum(size[k] for k in inputs))

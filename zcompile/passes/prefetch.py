@@ -1,0 +1,84 @@
+"""prefetch: issue each parameter all-gather `prefetch` gathers ahead of its use, so it overlaps compute.
+
+The k-th all-gather (single or bucketed) moves to just before the first wait of gather k-prefetch, i.e. while the
+graph waits for one bucket the next `prefetch` are already on the wire; waits stay right before first use. Moving a
+gather earlier makes its full parameter live longer: with a `memory_budget`, the pass lowers the distance until the
+liveness-planned peak of the graph fits (and says so in the dump).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from zcompile import liveness
+
+c10d = torch.ops._c10d_functional
+
+
+def _gathers(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.meta.get("zc_comm", {}).get("op") == "all_gather"]
+
+
+def _first_wait(gather: fx.Node, order: dict) -> fx.Node:
+    waits = []
+    for u in gather.users:
+        if u.target is c10d.wait_tensor.default:
+            waits.append(u)
+        else:  # getitem of a coalesced gather
+            waits.extend(w for w in u.users if w.target is c10d.wait_tensor.default)
+    return min(waits, key=order.get)
+
+
+def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> None:
+    """Move `node` (and inputs of it that are pure functions of placeholders) before `before`."""
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    if order[node] <= order[before]:
+        return
+    for inp in node.all_input_nodes:
+        if inp.op != "placeholder" and order[inp] > order[before]:
+            _hoist(graph, inp, before)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    latest = max(node.all_input_nodes, key=order.get, default=None)
+    if latest is not None and order[latest] >= order[before]:  # `before` is itself an input (e.g. a shard cast)
+        before = latest.next
+    if before is not node:
+        before.prepend(node)
+
+
+def _apply(gm: fx.GraphModule, distance: int) -> None:
+    graph = gm.graph
+    gathers = _gathers(graph)
+    start = next(n for n in graph.nodes if n.op != "placeholder")
+    for k, g in enumerate(gathers):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        target = start if k < distance else _first_wait(gathers[k - distance], order)
+        _hoist(graph, g, target)
+        why = g.meta["zc_comm"]["why"]
+        g.meta["zc_comm"] = dict(g.meta["zc_comm"], why=f"{why} [prefetched {distance} gather(s) ahead]")
+
+
+def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
+    distance = pctx.cfg.prefetch
+    if distance <= 0 or pctx.kind not in ("forward", "backward", "inference") or not _gathers(gm.graph):
+        return gm
+    budget = pctx.cfg.memory_budget_bytes(pctx.dist.device)
+    original = gm.graph
+    while True:
+        gm.graph = _copy(original)
+        _apply(gm, distance)
+        peak = liveness.analyze(gm).peak_bytes
+        if budget is None or peak <= budget or distance == 0:
+            break
+        distance -= 1
+    note = f"prefetch distance {distance}; planned transient peak {liveness.fmt(peak)}"
+    if budget is not None:
+        note += f" (budget {liveness.fmt(budget)})"
+    gm.meta.setdefault("zc_notes", []).append(f"prefetch: {note}")
+    return gm
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
