@@ -314,6 +314,7 @@ def main() -> None:
                     "stage-3 variants without bucketing / prefetch)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--merge", action="store_true", help="replace only these systems' rows in an existing result")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     tag = f"{args.model}-{args.size}-{args.device}-w{args.world}"
@@ -324,6 +325,11 @@ def main() -> None:
         rows.append(run_system(system, args))
         print(f"{system}: {'failed: ' + rows[-1]['error'] if 'error' in rows[-1] else 'ok'} ({time.time() - t0:.0f} s)",
               flush=True)
+    json_path = os.path.join(args.out, f"{tag}.json")
+    if args.merge and os.path.exists(json_path):
+        fresh = {r["system"]: r for r in rows}
+        old = json.load(open(json_path))["rows"]
+        rows = [fresh.pop(r["system"], r) for r in old] + list(fresh.values())
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     header = (f"### {args.model} ({rows[0].get('num_params', 0):,} params), world {args.world}, {device}, fp32, "
               f"{args.micro}x{args.seq} tokens/rank/step, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -331,7 +337,7 @@ def main() -> None:
     print(md)
     with open(os.path.join(args.out, f"{tag}.md"), "w") as f:
         f.write(md)
-    with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
+    with open(json_path, "w") as f:
         json.dump({"args": vars(args), "device": device, "rows": rows}, f, indent=1)
     plot(rows, os.path.join(args.out, f"{tag}.png"), header[4:])
 
