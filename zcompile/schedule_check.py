@@ -9,12 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 
-import torch.distributed as dist
+import torch
 from torch.utils._python_dispatch import _disable_current_modes
 import torch.fx as fx
 
 from zcompile import collectives
-from zcompile.dist_context import DistContext
+from zcompile.dist_context import DistContext, all_gather_flat
 
 
 class ScheduleMismatch(RuntimeError):
@@ -33,12 +33,15 @@ def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule]) ->
     if ctx.world == 1:
         return
     digest, summary = fingerprint(graphs)
-    mine = (graph_id, digest, summary)
-    everyone: list = [None] * ctx.world
+    # one fixed-size all-gather of (graph id, hash): a single collective, nothing to pickle
     with _disable_current_modes():  # called while AOTAutograd traces under a fake mode
-        dist.all_gather_object(everyone, mine, group=ctx.group)
-    if any(e[:2] != mine[:2] for e in everyone):
-        lines = "\n".join(f"  rank {r}: graph {g} schedule {d} ({s})" for r, (g, d, s) in enumerate(everyone))
+        mine = torch.tensor([graph_id, int(digest[:15], 16)], dtype=torch.int64, device=ctx.device)
+        everyone = torch.empty(ctx.world * 2, dtype=torch.int64, device=ctx.device)
+        all_gather_flat(everyone, mine, ctx.group)
+        rows = everyone.view(ctx.world, 2).tolist()
+    if any(r != rows[ctx.rank] for r in rows):
+        lines = "\n".join(f"  rank {r}: graph {g} schedule {h:015x}" for r, (g, h) in enumerate(rows))
         raise ScheduleMismatch(
             "ranks compiled different collective schedules; running them would deadlock or corrupt data.\n"
-            f"{lines}\nCheck that every rank runs the same model, config, batch shapes and world size.")
+            f"{lines}\nthis rank ({ctx.rank}): {summary}\n"
+            "Check that every rank runs the same model, config, batch shapes and world size.")
