@@ -15,8 +15,8 @@ def _grads(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[tor
     sharded, replicated, group, seen = [], [], None, set()
     for p in params:
         zp = shard_store.owner(p)
-        if zp is not None and zp.stage >= 2:
-            p, group = zp.shard, zp.group
+        if zp is not None:
+            p, group = zp.optimizer_tensor(), (zp.group if zp.stage >= 2 else group)
         if id(p) in seen or p.grad is None:
             continue
         seen.add(id(p))

@@ -85,7 +85,7 @@ class ShardedParam:
 
     def graph_input(self) -> torch.Tensor:
         self.compiled_calls += 1
-        return self.shard if self.stage >= 2 else self.param
+        return self.optimizer_tensor()
 
     def local_slice(self) -> torch.Tensor:
         """This rank's padded slice of the full buffer (stages 1/2)."""

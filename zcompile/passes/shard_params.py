@@ -55,6 +55,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     if pctx.cfg.stage < 2:
         return gm
     graph = gm.graph
+    order = {n: k for k, n in enumerate(graph.nodes)}  # users of placeholders are original nodes: computed once
     for i, ph in pctx.param_placeholders(gm).items():
         zp = pctx.params[i]
         ph.meta["zc_note"] = f"shard of param {list(zp.shape)}: {zp.shard_numel} of {zp.numel} elements"
@@ -66,7 +67,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
             for u in users:
                 u.replace_input_with(ph, full)
             continue
-        first = min(users, key=lambda u: _position(graph, u))
+        first = min(users, key=order.get)
         cast_to = {_cast_dtype(u) for u in users}
         cast_first = len(cast_to) == 1 and None not in cast_to and next(iter(cast_to)).itemsize < zp.dtype.itemsize
         with graph.inserting_before(first):
@@ -82,9 +83,3 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
                     u.replace_input_with(ph, full)
     return gm
 
-
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    for k, n in enumerate(graph.nodes):
-        if n is node:
-            return k
-    raise KeyError(node)
