@@ -196,3 +196,20 @@ def eager_step_after_compile(rank: int, world: int, stage: int) -> str:
 def parity_with_config(rank: int, world: int, name: str, config: dict, steps: int = 5) -> dict:
     model, _, losses = train(rank, world, name, config, steps)
     return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses}
+
+
+def train_and_report(rank: int, world: int, name: str, config: dict, steps: int = 5) -> dict:
+    """Train, then return the consolidated parameters, the last memory report and the persistence decisions."""
+    reports = []
+    model, opt, losses = train(rank, world, name, config, steps, reports=reports)
+    persistent = [tuple(p.shape) for p in model.parameters() if getattr(p._zc, "persistent", False)]
+    return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses,
+            "report": reports[-1], "persistent": persistent}
+
+
+def planned_vs_measured(rank: int, world: int, name: str, config: dict, steps: int = 2) -> list:
+    """Train `steps` steps, the last one under measure_memory(); returns its GraphRuns."""
+    model, opt, _ = train(rank, world, name, config, steps - 1)
+    with zcompile.measure_memory() as runs:
+        train(rank, world, name, config, 1, model=model, opt=opt, start=steps - 1)
+    return list(runs)

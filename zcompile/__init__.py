@@ -15,11 +15,13 @@ from zcompile.collectives import reset_traffic, traffic
 from zcompile.config import Config, ConfigError
 from zcompile.dist_context import init_distributed
 from zcompile.grad_clip import clip_grad_norm_
+from zcompile.memory_trace import measure_memory
 from zcompile.report import memory_report
 from zcompile.schedule_check import ScheduleMismatch
 
 __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
-           "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "traffic", "reset_traffic"]
+           "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
+           "traffic", "reset_traffic"]
 __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):

@@ -19,8 +19,10 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._python_dispatch import _disable_current_modes
 
-from zcompile import backends, collectives, config as zconfig, passes, schedule_check, shard_store
+from zcompile import (backends, collectives, config as zconfig, liveness, memory_trace, passes, planner, schedule_check,
+                      shard_store)
 from zcompile.dist_context import DistContext
 from zcompile.dump import GraphDumper
 from zcompile.pass_context import PassContext
@@ -46,18 +48,29 @@ def _refresh_meta(gm: fx.GraphModule, inputs: list | None = None) -> list:
 
 
 def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
-    """Shard placeholders take shard-shaped fake values; side-input placeholders take full-shape ones."""
+    """Shard placeholders take shard-shaped fake values; side-input placeholders take full-shape ones. A whole
+    parameter's shard is a view of its full buffer, as at run time, so liveness counts that storage once."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode([n.meta.get("val") for n in phs if "val" in n.meta])
+    buffers: dict = {}
+
+    def full_buffer(zp):
+        if zp not in buffers:
+            buffers[zp] = torch.empty(zp.padded_numel, dtype=zp.dtype, device=pctx.dist.device)
+        return buffers[zp]
+
     with fake_mode:
         if pctx.cfg.stage >= 2:
             for i, ph in pctx.param_placeholders(gm).items():
                 zp = pctx.params[i]
-                ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=pctx.dist.device)
+                if zp.keeps_full:
+                    ph.meta["val"] = full_buffer(zp)[zp.rank * zp.shard_numel:(zp.rank + 1) * zp.shard_numel]
+                else:
+                    ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=pctx.dist.device)
                 pctx.own_placeholders.add(ph.name)
         side = [n for n in phs if n.name.startswith("zc_full_param_")]
         for ph, zp in zip(side, pctx.side_inputs):
-            ph.meta["val"] = torch.empty(zp.shape, dtype=zp.dtype, device=pctx.dist.device)
+            ph.meta["val"] = full_buffer(zp)[: zp.numel].view(zp.shape)
             pctx.own_placeholders.add(ph.name)
 
 
@@ -70,6 +83,8 @@ class _GraphCompile:
         self.graph_id = next(_graph_ids)
         self.dump = GraphDumper(cfg.dump_dir, ctx.rank, self.graph_id)
         self.final: dict[str, fx.GraphModule] = {}
+        self.planned: dict[str, liveness.Liveness] = {}  # liveness of each final graph, as compiled
+        self.notes: list[str] = []  # planner decisions, shown at the top of every dump of this graph
 
     def pctx(self, kind: str) -> PassContext:
         return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args)
@@ -77,19 +92,45 @@ class _GraphCompile:
     def dumper(self, kind: str):
         return lambda name, gm: self.dump(kind, name, gm)
 
-    def split_passes(self, gm: fx.GraphModule, kind: str) -> tuple[fx.GraphModule, PassContext]:
+    def split_passes(self, gm: fx.GraphModule, kind: str, trial: bool = False) -> tuple[fx.GraphModule, PassContext]:
         pctx = self.pctx(kind)
-        self.dump(kind, "input", gm)
-        gm = passes.run_phase("split", gm, pctx, self.dumper(kind))
+        if not trial:
+            gm.meta["zc_notes"] = list(self.notes)
+            self.dump(kind, "input", gm)
+        gm = passes.run_phase("split", gm, pctx, (lambda name, g: None) if trial else self.dumper(kind))
         _set_placeholder_vals(gm, pctx)
         _refresh_meta(gm)
-        self.final[kind] = gm
+        if not trial:
+            self.final[kind] = gm
         return gm, pctx
+
+    def plan_persistence(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """Stage 3: decide which parameters of this graph stay whole (planner.choose_persistent). With a memory
+        budget, the headroom is the budget minus the planned step peak with every parameter sharded, measured by
+        running the split passes on copies of the graphs."""
+        undecided = [zp for zp in self.params.values() if zp.stage == 3 and not zp.persist_decided]
+        if not undecided:
+            return
+        budget = self.cfg.memory_budget_bytes(self.ctx.device)
+        headroom = None
+        if budget is not None:
+            lives = {kind: liveness.analyze(self.split_passes(_copy_module(gm), kind, trial=True)[0])
+                     for kind, gm in graphs.items()}
+            peak = planner.step_peak(planner.model_state(list(self.params.values())), lives)
+            headroom = max(0, budget - peak)
+        chosen, why = planner.choose_persistent(undecided, self.cfg.persist_threshold_bytes, headroom)
+        for zp in undecided:
+            zp.persist_decided = True
+        with _disable_current_modes():  # real buffers and a real all-gather, not AOTAutograd's fake tracing mode
+            shard_store.make_persistent(chosen)
+        if chosen or budget is not None or self.cfg.persist_threshold_bytes:
+            self.notes.append(why)
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         self.dump("joint", "input", joint)
         joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
         bw, self.bw_pctx = self.split_passes(bw, "backward")
         self.dump.schedule({"forward": fw, "backward": bw})
@@ -99,6 +140,7 @@ class _GraphCompile:
 
     def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "inference":
+            self.plan_persistence({"inference": gm})
             gm, pctx = self.split_passes(gm, kind)
             self.dump.schedule({"inference": gm})
             if self.cfg.schedule_check:
@@ -114,16 +156,26 @@ class _GraphCompile:
         compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
+        planned = liveness.analyze(gm)
+        self.planned[kind] = planned
 
         def run_graph(args):
             collectives.count(sched)
             if side:
                 args = list(args)
                 args.extend(zp.full_view() for zp in side)
+            if memory_trace.RUNS is not None:
+                return memory_trace.run_measured(compiled, args, self.graph_id, kind, planned)
             return compiled(args)
 
         run_graph._boxed_call = True
         return run_graph
+
+
+def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 class ZCompileError(RuntimeError):

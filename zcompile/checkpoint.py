@@ -93,7 +93,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
             if target.shape != value.shape:
                 raise ValueError(f"{path}: '{name}' holds shape {tuple(value.shape)}, expected {tuple(target.shape)}")
             target.copy_(value)
-            if zp.stage in (1, 2):
+            if zp.keeps_full:
                 shard_store.gather_full([zp])
         for name, b in _module(model).named_buffers():
             if name in state["buffers"]:
@@ -113,7 +113,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
         zp = shard_store.owner(p)
         if zp is None or zp.stage == 0:
             value = p.detach().clone()
-        elif zp.stage in (1, 2):
+        elif zp.keeps_full:
             value = zp.full_view().clone()
         else:
             flat = torch.empty(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)

@@ -2,6 +2,10 @@
 
 Every collective is `torch.ops._c10d_functional.<op>` followed by `wait_tensor`, so inductor keeps it in the compiled
 graph and a dump shows exactly where it is issued and where it is waited on.
+
+All-gathers use the `_out` variant into a buffer the graph allocates: the plain functional all-gather goes through
+`allgather_into_tensor_coalesced`, which in gloo (torch 2.13) corrupts the heap once two are in flight (prefetch);
+the `_out` variant uses `_allgather_base`, as FSDP2 does. tests/test_collectives.py checks the `_out` path under prefetch-like concurrency.
 """
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ import torch
 import torch.fx as fx
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 COLLECTIVE_OPS = {
-    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.all_gather_into_tensor_out.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
 }
@@ -25,7 +30,8 @@ def _annotate(node: fx.Node, op: str, nbytes: int, group: str, why: str, numel: 
 def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, world: int, group: str,
                why: str) -> fx.Node:
     """All-gather a flat [numel] shard into a flat [world*numel] tensor; returns the wait node."""
-    ag = graph.call_function(c10d.all_gather_into_tensor.default, (shard, world, group))
+    out = graph.call_function(aten.new_empty.default, (shard, [world * numel]))
+    ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (shard, world, group), {"out": out})
     _annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why, numel * world)
     return graph.call_function(c10d.wait_tensor.default, (ag,))
 

@@ -41,11 +41,16 @@ class Config:
     bucket_mb: float = 25.0
     prefetch: int = 1
     memory_budget: str | float | None = None
+    persist_threshold: str | int = 0
     source: str = "<defaults>"
 
     def memory_budget_bytes(self, device: torch.device) -> int | None:
-        """The budget for a compiled graph's transient (activation + gathered parameter) bytes."""
+        """The per-rank budget for a training step's planned peak (model state + a graph's inputs and transients)."""
         return parse_bytes(self.memory_budget, device, self.source)
+
+    @property
+    def persist_threshold_bytes(self) -> int:
+        return parse_bytes(self.persist_threshold, None, self.source, "persist_threshold", fraction=False) or 0
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -75,20 +80,25 @@ SCHEMA: dict[str, Any] = {
     "bucket_mb": ((int, float), "collectives are fused into buckets of up to this many MiB (0: one per parameter)"),
     "prefetch": ((int,), "all-gathers issued this many buckets ahead of their use (0: right before use)"),
     "memory_budget": ((str, int, float, type(None)),
-                      "cap on a compiled graph's transient bytes: '12GiB', bytes, or a fraction of device memory"),
+                      "cap on a rank's planned step peak: '12GiB', bytes, or a fraction of device memory"),
+    "persist_threshold": ((str, int),
+                          "stage 3: parameters of at most this many bytes stay whole (no gathers): '64KiB' or bytes"),
 }
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
 
 
-def parse_bytes(value, device: torch.device | None = None, where: str = "<config>") -> int | None:
+def parse_bytes(value, device: torch.device | None = None, where: str = "<config>", key: str = "memory_budget",
+                fraction: bool = True) -> int | None:
     """'12GiB' / '500 MB' / 123456 (bytes) / 0.8 (fraction of the device's memory) -> bytes."""
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ConfigError(f"{where}: key 'memory_budget' must be a size, got {value!r}")
-    if isinstance(value, float) and 0 < value <= 1:
+        raise ConfigError(f"{where}: key '{key}' must be a size, got {value!r}")
+    if not fraction and value == 0:
+        return 0
+    if fraction and isinstance(value, float) and 0 < value <= 1:
         if device is not None and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
         else:
@@ -104,8 +114,8 @@ def parse_bytes(value, device: torch.device | None = None, where: str = "<config
                     return int(float(text[: -len(unit)]) * _UNITS[unit])
                 except ValueError:
                     break
-    raise ConfigError(f"{where}: key 'memory_budget' must be like '12GiB', a byte count or a fraction in (0, 1], "
-                      f"got {value!r}")
+    what = "a byte count or a fraction in (0, 1]" if fraction else "or a byte count"
+    raise ConfigError(f"{where}: key '{key}' must be like '12GiB', {what}, got {value!r}")
 
 
 def _check_section(raw: dict, schema: dict, where: str, prefix: str = "") -> None:
@@ -165,6 +175,11 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     if prefetch < 0:
         raise ConfigError(f"{where}: key 'prefetch' must be >= 0, got {prefetch}")
     parse_bytes(raw.get("memory_budget"), None, where)
+    persist = raw.get("persist_threshold", 0)
+    parse_bytes(persist, None, where, "persist_threshold", fraction=False)
+    if persist and stage != 3:
+        raise ConfigError(f"{where}: key 'persist_threshold' applies to stage 3 only (stage {stage} keeps every "
+                          "parameter whole or steps them without gathers)")
     pipeline = raw.get("pipeline")
     if pipeline is not None:
         if not all(isinstance(p, str) for p in pipeline):
@@ -173,7 +188,7 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     cfg = Config(stage=stage, backend=backend, mixed_precision=MixedPrecision(param_dtype, reduce_dtype),
                  dump=raw.get("dump"), pipeline=pipeline, schedule_check=raw.get("schedule_check", True),
                  collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
-                 memory_budget=raw.get("memory_budget"), source=where)
+                 memory_budget=raw.get("memory_budget"), persist_threshold=persist, source=where)
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:

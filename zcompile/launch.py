@@ -3,9 +3,11 @@ ZC_TEST_PG=nccl), under a hard timeout: used by the tests and the benchmarks."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -22,7 +24,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, en
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **env)
     torch.set_num_threads(1)
+    faulthandler.enable()  # a crash inside a C++ library (gloo, a kernel) still shows the Python stack
     import torch.distributed as dist
+    code = 0
     try:
         backend = os.environ.get("ZC_TEST_PG", "gloo")
         if backend == "nccl":
@@ -33,10 +37,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, en
     except BaseException:
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
-        raise SystemExit(1)
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Skip interpreter teardown: once in a full-suite run a worker aborted with "terminate called without an active
+    # exception" and no Python frame of ours on the stack, most likely while C++ destructors ran at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class WorkerFailed(AssertionError):

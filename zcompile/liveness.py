@@ -44,12 +44,33 @@ def _nbytes(t: torch.Tensor) -> int:
     return int(n)
 
 
+def _alias_source(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s output is, by the op's schema (`Tensor(a!) out -> Tensor(a!)`, views);
+    fake propagation of out= collectives returns a fresh tensor, which would count the buffer twice."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target is torch.ops._c10d_functional.wait_tensor.default:
+        return node.args[0]
+    returns = node.target._schema.returns
+    if len(returns) != 1 or returns[0].alias_info is None:
+        return None
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set & returns[0].alias_info.before_set:
+            src = node.kwargs.get(arg.name) if arg.name in node.kwargs else (node.args[i] if i < len(node.args) else None)
+            return src if isinstance(src, fx.Node) else None
+    return None
+
+
 def analyze(gm: fx.GraphModule) -> Liveness:
     nodes = list(gm.graph.nodes)
     storages_of: dict[fx.Node, list] = {}
     size: dict = {}
     inputs: set = set()
     for n in nodes:
+        src = _alias_source(n)
+        if src is not None and storages_of.get(src):
+            storages_of[n] = storages_of[src]
+            continue
         keys = []
         for t in _tensors(n.meta.get("val")):
             key = StorageWeakRef(t.untyped_storage())

@@ -2,6 +2,7 @@
 
 With fp32 master parameters and Adam's two moments (K=8 bytes/param of optimizer state), P parameters, N ranks:
   stage 0: 4P + 4P + 8P      stage 1: 4P + 4P + 8P/N      stage 2: 4P + (4+8)P/N      stage 3: (4+4+8)P/N = 16P/N
+At stage 3, the Pp parameters the planner keeps whole add their full copy: 4(P-Pp)/N + 4Pp + (4+8)P/N.
 Mixed precision changes compute dtype only: the persistent state is the same fp32 master, gradient and moments.
 """
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch.nn as nn
 from zcompile import shard_store
 
 
-def expected_bytes(stage: int, P: int, N: int) -> int:
-    param = 4 * P if stage < 3 else 4 * P / N
+def expected_bytes(stage: int, P: int, N: int, persistent: int = 0) -> int:
+    param = 4 * P if stage < 3 else 4 * (P - persistent) / N + 4 * persistent
     grad = 4 * P if stage < 2 else 4 * P / N
     optim = 8 * P if stage < 1 else 8 * P / N
     return int(param + grad + optim)
@@ -63,14 +64,16 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
             raise RuntimeError("memory_report needs a model compiled with backend='zero' that has run a step")
         zps.append(zp)
         P += zp.numel
-        if zp.stage == 3:
+        if zp.keeps_full:
+            param_b += _nbytes(zp.full)  # stage 2's (and a persistent one's) shard is a view into it
+        elif zp.stage == 3:
             param_b += _nbytes(zp.shard)
-        elif zp.stage in (1, 2):
-            param_b += _nbytes(zp.full)  # stage 2's shard is a view into it
         else:
             param_b += _nbytes(p)
         grad_b += _nbytes(zp.optimizer_tensor().grad)
     optim_b = sum(_nbytes(v) for zp in zps for v in optimizer.state.get(zp.optimizer_tensor(), {}).values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0)
     stage, world = zps[0].stage, zps[0].world
-    return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b, expected_bytes(stage, P, world))
+    persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
+    return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b,
+                        expected_bytes(stage, P, world, persistent))

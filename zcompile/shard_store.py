@@ -5,8 +5,9 @@ Each parameter is flattened and zero-padded to world*s elements; rank r owns ele
 - stage 0/1: the parameter keeps its full data (inside a padded flat buffer) and is itself the graph input.
   Stage 1 lets the optimizer see only the local slice of data and gradient during `step`, then all-gathers.
 - stage 2/3: the optimizer steps `shard`, an fp32 leaf of s elements that is the graph input and receives the
-  reduce-scattered gradient. The user's parameter keeps a full-shape, storage-free stand-in so dynamo's guards stay
-  stable. Stage 2 also keeps the full parameter (`full`), refreshed by an all-gather after each step; stage 3 does not.
+  reduce-scattered gradient. Stage 2 also keeps the full parameter (`full`, with `shard` a view of this rank's
+  slice), refreshed by an all-gather after each step; stage 3 does not, except for parameters the planner keeps
+  whole (`persistent`, see planner.choose_persistent), which then behave exactly like stage 2 parameters.
 
 The user's parameter keeps its shape and strides throughout (dynamo guards on them): stages 1/2 re-point it at a
 contiguous view of the padded full buffer; stage 3 frees its storage with `untyped_storage().resize_(0)` (as FSDP
@@ -61,6 +62,8 @@ class ShardedParam:
             self.shard._zc_owner = self  # lets checkpoints and clipping find the parameter a shard belongs to
         if stage in (1, 2):
             param.data = self.full_view()
+        self.persistent = False      # stage 3 only: kept whole like a stage 2 parameter
+        self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
 
@@ -70,17 +73,22 @@ class ShardedParam:
         assert p is not None, "parameter was freed while its shard is in use"
         return p
 
+    @property
+    def keeps_full(self) -> bool:
+        """Whether this rank holds the whole parameter between steps (stages 1/2, persistent stage 3)."""
+        return self.stage in (1, 2) or self.persistent
+
     def release_full(self) -> None:
         """Stage 3: free the user parameter's full storage, keeping its metadata (the shard holds the values)."""
         p = self.param
-        if self.stage != 3 or p.untyped_storage().nbytes() == 0:
+        if self.stage != 3 or self.persistent or p.untyped_storage().nbytes() == 0:
             return
         if p.untyped_storage().nbytes() != self.numel * self.dtype.itemsize:
             p.data = p.data.clone()  # shares storage with other tensors: free only its own copy
         p.untyped_storage().resize_(0)
 
     def full_view(self) -> torch.Tensor:
-        """The persistent full parameter (stages 0-2), shaped like the original."""
+        """The whole parameter (stages 0-2 and persistent stage 3), shaped like the original."""
         return self.full[: self.numel].view(self.shape)
 
     def graph_input(self) -> torch.Tensor:
@@ -148,6 +156,21 @@ def gather_full(zps: list[ShardedParam]) -> None:
             offset += zp.shard_numel
 
 
+def make_persistent(zps: list[ShardedParam]) -> None:
+    """Keep these stage 3 parameters whole from now on: a full buffer refreshed from every rank's shard (one
+    all-gather; the shards are the truth, the user's parameter may already be released), the shard re-pointed at
+    this rank's slice of it, as at stage 2. Every rank must call this with the same parameters."""
+    zps = [zp for zp in zps if zp.stage == 3 and not zp.persistent]
+    for zp in zps:
+        zp.full = torch.zeros(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)
+        zp.local_slice().copy_(zp.shard.detach())
+        zp.shard.data = zp.local_slice()
+        zp.persistent = True
+    gather_full(zps)
+    for zp in zps:
+        zp.param.data = zp.full_view()
+
+
 def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Point the optimizer at the shards of stage 2/3 parameters, moving any state it already holds."""
     for group in optimizer.param_groups:
@@ -206,7 +229,7 @@ def _post_step(optimizer, args, kwargs) -> None:
         zp.compiled_calls = 0
         if zp.stage == 1:
             zp.exit_step()
-    gather_full([zp for zp in zps if zp.stage in (1, 2)])
+    gather_full([zp for zp in zps if zp.keeps_full])
 
 
 register_optimizer_step_pre_hook(_pre_step)

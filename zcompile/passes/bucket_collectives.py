@@ -1,8 +1,9 @@
 """bucket_collectives: fuse per-parameter all-gathers, reduce-scatters and all-reduces into coalesced collectives.
 
-Consecutive all-gathers (in order of first use) are merged, up to `bucket_mb` per bucket, into one
-`all_gather_into_tensor_coalesced` issued where the bucket's first member was; every member keeps its own
-`wait_tensor` right before its first use. Reduce-scatters are merged into one flat `reduce_scatter_tensor` over
+Consecutive all-gathers (in order of first use) are merged, up to `bucket_mb` per bucket, into one flat all-gather
+of the members' concatenated shards, issued where the bucket's first member was and waited on before the first
+member's first use; each member is then copied out of the rank-major result ([rank][member][shard]) at once, so the
+flat buffer dies right away (as FSDP2's copy-out). Reduce-scatters are merged into one flat `reduce_scatter_tensor` over
 the members' rank-major concatenation (all-reduces at stages 0/1 into one `all_reduce_coalesced`), issued once
 the bucket's last gradient exists; their waits go just before the graph's output, so the backward keeps computing
 while the bucket is reduced. One collective per bucket instead of one per parameter: fewer launches and
@@ -65,11 +66,33 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
     for src in srcs[1:]:  # a cast of a shard: move it up with the bucket
         if src.op != "placeholder" and _after(graph, src, first):
             first.prepend(src)
+    shard_sizes = [m.meta["zc_comm"]["numel"] // world for m in members]
+    total = sum(shard_sizes)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    earliest_wait = min((_wait_of(m) for m in members), key=order.get)
     with graph.inserting_before(first):
-        coalesced = graph.call_function(c10d.all_gather_into_tensor_coalesced.default, (srcs, world, group))
-    _annotate(coalesced, "all_gather", members,
+        flat = graph.call_function(aten.cat.default, (srcs,))
+        buf = graph.call_function(aten.new_empty.default, (flat, [world * total]))
+        ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (flat, world, group), {"out": buf})
+    _annotate(ag, "all_gather", members,
               f"{kind}: bucket {bucket_id} of {len(members)} params: {_members_text(members)}")
-    _rewire_waits(graph, members, coalesced, lambda wait: wait, f"wait for bucket {bucket_id}")
+    with graph.inserting_before(earliest_wait):
+        wait = graph.call_function(c10d.wait_tensor.default, (ag,))
+        rows = graph.call_function(aten.view.default, (wait, [world, total]))
+    wait.meta["zc_note"] = f"wait for bucket {bucket_id}, then copy each member out"
+    offset = 0
+    for m, size in zip(members, shard_sizes):
+        old_wait = _wait_of(m)
+        with graph.inserting_before(earliest_wait):
+            block = graph.call_function(aten.slice.Tensor, (rows, 1, offset, offset + size))
+            copy = graph.call_function(aten.clone.default, (block,), {"memory_format": torch.contiguous_format})
+            full = graph.call_function(aten.view.default, (copy, [world * size]))
+        offset += size
+        old_wait.replace_all_uses_with(full)
+        graph.erase_node(old_wait)
+        old_buf = m.kwargs["out"]
+        graph.erase_node(m)
+        graph.erase_node(old_buf)
 
 
 def _merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket_id: int, op: str) -> None:

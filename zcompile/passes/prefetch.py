@@ -3,14 +3,15 @@
 The k-th all-gather (single or bucketed) moves to just before the first wait of gather k-prefetch, i.e. while the
 graph waits for one bucket the next `prefetch` are already on the wire; waits stay right before first use. Moving a
 gather earlier makes its full parameter live longer: with a `memory_budget`, the pass lowers the distance until the
-liveness-planned peak of the graph fits (and says so in the dump).
+planned step peak (planner.step_peak: the graph's inputs and liveness-planned transients, plus the resident gradients
+and optimizer state) fits, and says so in the dump.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from zcompile import liveness
+from zcompile import liveness, planner
 
 c10d = torch.ops._c10d_functional
 
@@ -19,14 +20,10 @@ def _gathers(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.meta.get("zc_comm", {}).get("op") == "all_gather"]
 
 
-def _first_wait(gather: fx.Node, order: dict) -> fx.Node:
-    waits = []
-    for u in gather.users:
-        if u.target is c10d.wait_tensor.default:
-            waits.append(u)
-        else:  # getitem of a coalesced gather
-            waits.extend(w for w in u.users if w.target is c10d.wait_tensor.default)
-    return min(waits, key=order.get)
+def _wait(gather: fx.Node) -> fx.Node:
+    (wait,) = gather.users
+    assert wait.target is c10d.wait_tensor.default, wait
+    return wait
 
 
 def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> None:
@@ -50,8 +47,7 @@ def _apply(gm: fx.GraphModule, distance: int) -> None:
     gathers = _gathers(graph)
     start = next(n for n in graph.nodes if n.op != "placeholder")
     for k, g in enumerate(gathers):
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        target = start if k < distance else _first_wait(gathers[k - distance], order)
+        target = start if k < distance else _wait(gathers[k - distance])
         _hoist(graph, g, target)
         why = g.meta["zc_comm"]["why"]
         g.meta["zc_comm"] = dict(g.meta["zc_comm"], why=f"{why} [prefetched {distance} gather(s) ahead]")
@@ -62,17 +58,20 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     if distance <= 0 or pctx.kind not in ("forward", "backward", "inference") or not _gathers(gm.graph):
         return gm
     budget = pctx.cfg.memory_budget_bytes(pctx.dist.device)
+    state = planner.model_state(list(pctx.params.values()))
     original = gm.graph
     while True:
         gm.graph = _copy(original)
         _apply(gm, distance)
-        peak = liveness.analyze(gm).peak_bytes
+        live = liveness.analyze(gm)
+        peak = planner.step_peak(state, {pctx.kind: live})
         if budget is None or peak <= budget or distance == 0:
             break
         distance -= 1
-    note = f"prefetch distance {distance}; planned transient peak {liveness.fmt(peak)}"
+    note = (f"prefetch distance {distance}; planned transient peak {liveness.fmt(live.peak_bytes)}, "
+            f"step peak {liveness.fmt(peak)}")
     if budget is not None:
-        note += f" (budget {liveness.fmt(budget)})"
+        note += f" (budget {liveness.fmt(budget)}{'' if peak <= budget else ': OVER BUDGET even without prefetch'})"
     gm.meta.setdefault("zc_notes", []).append(f"prefetch: {note}")
     return gm
 

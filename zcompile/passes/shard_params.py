@@ -6,8 +6,9 @@ only the shard, see tag_param_recompute). When every use of a parameter is a cas
 shard is cast first, so the gather moves bf16 bytes. The gathered tensor is freed after its last use by the
 generated code (`name = None`), which is the release.
 
-Stage 2: parameters stay whole on every rank; the full tensor is appended to the graph inputs (a side input the
-runtime supplies) and replaces the shard's uses. No communication in forward.
+Stage 2 (and stage 3 parameters the planner keeps whole): parameters stay whole on every rank; the full tensor is
+appended to the graph inputs (a side input the runtime supplies) and replaces the shard's uses. No communication in
+forward.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _side_input(gm: fx.GraphModule, zp, pctx) -> fx.Node:
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last):
         node = gm.graph.placeholder(f"zc_full_param_{len(pctx.side_inputs)}")
-    node.meta["zc_note"] = f"stage 2: persistent full param {list(zp.shape)}, supplied by the shard store"
+    node.meta["zc_note"] = f"persistent full param {list(zp.shape)} (stage 2 or kept whole by the planner), supplied by the shard store"
     pctx.side_inputs.append(zp)
     return node
 
@@ -62,7 +63,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         users = [u for u in ph.users if u.op != "output"]
         if not users:
             continue
-        if pctx.cfg.stage == 2:
+        if zp.keeps_full:  # stage 2, or a stage 3 parameter the planner keeps whole
             full = _side_input(gm, zp, pctx)
             for u in users:
                 u.replace_input_with(ph, full)
