@@ -42,9 +42,9 @@ def test_memory_budget_decides_persistence(tmp_path):
     assert res[0]["persistent"] == [] and _forward_gathers(tmp_path / "tight") > 0
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_planned_peak_matches_measured(stage):
-    config = {"stage": stage, "backend": "eager"}
+@pytest.mark.parametrize("stage, bucket_mb", [(2, 25), (3, 25), (3, 0.02)])
+def test_planned_peak_matches_measured(stage, bucket_mb):
+    config = {"stage": stage, "backend": "eager", "bucket_mb": bucket_mb}
     runs = run_world(2, workers.planned_vs_measured, "gpt", config)[0]
     assert {r.kind for r in runs} == {"forward", "backward"}
     for r in runs:

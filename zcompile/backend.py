@@ -22,7 +22,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import (backends, collectives, config as zconfig, liveness, memory_trace, passes, planner, schedule_check,
-                      shard_store)
+                      shard_store, timeline)
 from zcompile.dist_context import DistContext
 from zcompile.dump import GraphDumper
 from zcompile.pass_context import PassContext
@@ -104,6 +104,9 @@ class _GraphCompile:
             self.final[kind] = gm
         return gm, pctx
 
+    def cost_model(self) -> timeline.CostModel:
+        return timeline.CostModel() if self.ctx.device.type == "cuda" else timeline.CostModel.cpu()
+
     def plan_persistence(self, graphs: dict[str, fx.GraphModule]) -> None:
         """Stage 3: decide which parameters of this graph stay whole (planner.choose_persistent). With a memory
         budget, the headroom is the budget minus the planned step peak with every parameter sharded, measured by
@@ -133,7 +136,7 @@ class _GraphCompile:
         self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
         bw, self.bw_pctx = self.split_passes(bw, "backward")
-        self.dump.schedule({"forward": fw, "backward": bw})
+        self.dump.schedule({"forward": fw, "backward": bw}, self.cost_model())
         if self.cfg.schedule_check:
             schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw})
         return fw, bw
@@ -142,7 +145,7 @@ class _GraphCompile:
         if kind == "inference":
             self.plan_persistence({"inference": gm})
             gm, pctx = self.split_passes(gm, kind)
-            self.dump.schedule({"inference": gm})
+            self.dump.schedule({"inference": gm}, self.cost_model())
             if self.cfg.schedule_check:
                 schedule_check.agree(self.ctx, self.graph_id, {"inference": gm})
         else:
@@ -153,6 +156,9 @@ class _GraphCompile:
                        or not isinstance(example_inputs[k], torch.Tensor) else example_inputs[k]
                        for k, n in enumerate(phs)]
         _refresh_meta(gm, fake_inputs)
+        if self.ctx.planning:
+            self.planned[kind] = liveness.analyze(gm)
+            return _stop_planning
         compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
@@ -172,6 +178,18 @@ class _GraphCompile:
         return run_graph
 
 
+class PlanCaptured(Exception):
+    """Raised instead of running a graph compiled under dist_context.planning(): the plan is in the jobs."""
+
+
+def _stop_planning(args):
+    raise PlanCaptured()
+
+
+_stop_planning._boxed_call = True
+JOBS: list = []  # graphs compiled under dist_context.planning(), for zcompile.plan to read
+
+
 def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -186,7 +204,7 @@ def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     """The `zero` backend for torch.compile."""
     try:
         return _compile(gm, example_inputs, options, **kwargs)
-    except (zconfig.ConfigError, schedule_check.ScheduleMismatch):
+    except (zconfig.ConfigError, schedule_check.ScheduleMismatch, PlanCaptured):
         raise
     except Exception as e:
         # dynamo turns some exception types into a graph break that runs eager code; re-raise as our own type.
@@ -201,6 +219,8 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     params = {i: shard_store.register(x, cfg.stage, ctx)
               for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
     job = _GraphCompile(cfg, ctx, params, len(example_inputs))
+    if ctx.planning:
+        JOBS.append(job)
     job.dump("dynamo", "input", gm)
     gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 

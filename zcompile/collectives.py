@@ -10,6 +10,7 @@ the `_out` variant uses `_allgather_base`, as FSDP2 does. tests/test_collectives
 from __future__ import annotations
 
 import collections
+import operator
 
 import torch
 import torch.fx as fx
@@ -48,6 +49,32 @@ def all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, dtype: torch.dtype,
     ar = graph.call_function(c10d.all_reduce.default, (tensor, "sum", group))
     _annotate(ar, "all_reduce", numel * dtype.itemsize, group, why, numel)
     return graph.call_function(c10d.wait_tensor.default, (ar,))
+
+
+def waits_of(node: fx.Node) -> list[fx.Node]:
+    """The wait_tensor nodes of a collective (directly, or through getitem for coalesced ones)."""
+    waits = []
+    for u in node.users:
+        if u.target is c10d.wait_tensor.default:
+            waits.append(u)
+        elif u.target is operator.getitem:
+            waits.extend(w for w in u.users if w.target is c10d.wait_tensor.default)
+    return waits
+
+
+def limit_in_flight(graph: fx.Graph, ops: tuple[str, ...]) -> None:
+    """Wait for each collective of `ops` right before the next one is issued (one in flight), so its input buffer
+    is released as the graph goes instead of at the end."""
+    colls = [n for n in graph.nodes if n.meta.get("zc_comm", {}).get("op") in ops]
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    for cur, nxt in zip(colls, colls[1:]):
+        for w in waits_of(cur):
+            if order[w] > order[nxt]:
+                src = w.args[0]
+                if src is not cur and order[src] > order[nxt]:  # getitem of a coalesced collective
+                    nxt.prepend(src)
+                nxt.prepend(w)
+                w.meta["zc_note"] = "wait before the next reduction is issued (one in flight)"
 
 
 def schedule(gm: fx.GraphModule) -> list[dict]:

@@ -1,6 +1,7 @@
 """The process group zcompile communicates over, and a launcher-friendly initializer."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -16,9 +17,12 @@ class DistContext:
     group_name: str
     device: torch.device
     group: object = dataclasses.field(compare=False, repr=False, default=None)
+    planning: bool = False  # `zcompile plan`: meta tensors, no process group, nothing is communicated
 
     @staticmethod
     def current() -> "DistContext":
+        if _PLANNING is not None:
+            return _PLANNING
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zcompile needs an initialized torch.distributed process group before the first forward: call "
@@ -31,6 +35,20 @@ class DistContext:
         else:
             device = torch.device("cpu")
         return DistContext(dist.get_rank(), dist.get_world_size(), group.group_name, device, group)
+
+
+_PLANNING: DistContext | None = None
+
+
+@contextlib.contextmanager
+def planning(world: int, rank: int = 0):
+    """Compile for `world` ranks without a process group, on the meta device (see zcompile.plan)."""
+    global _PLANNING
+    previous, _PLANNING = _PLANNING, DistContext(rank, world, "plan", torch.device("meta"), None, planning=True)
+    try:
+        yield _PLANNING
+    finally:
+        _PLANNING = previous
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistContext:

@@ -1,7 +1,8 @@
 """Per-rank, per-pass graph dumps: readable Python with every collective annotated with its bytes, group and reason.
 
-Layout: DIR/rank<r>/graph<g>_<kind>_<nn>_<pass>.py for each pass, and DIR/rank<r>/graph<g>_schedule.txt listing the
-collectives of the final forward and backward graphs in issue order.
+Layout: DIR/rank<r>/graph<g>_<kind>_<nn>_<pass>.py for each pass, DIR/rank<r>/graph<g>_schedule.txt listing the
+collectives of the final forward and backward graphs in issue order, and DIR/rank<r>/graph<g>_timeline.json, the
+planned step as a Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing; see timeline.py).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 
 import torch.fx as fx
 
-from zcompile import collectives, liveness
+from zcompile import collectives, liveness, timeline
 
 _ASSIGN = re.compile(r"^(\s+)(\w+)(: \"[^\"]*\")? = ")
 
@@ -69,9 +70,11 @@ class GraphDumper:
                 f.write(f"# {note}\n")
             f.write(annotated_code(gm))
 
-    def schedule(self, graphs: dict[str, fx.GraphModule]) -> None:
+    def schedule(self, graphs: dict[str, fx.GraphModule], cost: timeline.CostModel) -> None:
         if not self.dir:
             return
         with open(os.path.join(self.dir, f"graph{self.graph_id}_schedule.txt"), "w") as f:
             for kind, gm in graphs.items():
                 f.write(schedule_text(kind, gm))
+        rank = int(os.path.basename(self.dir)[len("rank"):])
+        timeline.write_chrome_trace(os.path.join(self.dir, f"graph{self.graph_id}_timeline.json"), graphs, rank, cost)

@@ -1,8 +1,9 @@
 """Alias-aware liveness over an FX graph: the bytes of intermediate tensors alive after every node, and the peak.
 
 Tensors are tracked by storage (views share their base's storage, so they cost nothing extra); a storage is
-allocated by the first node that produces it and freed after the last node that reads any tensor on it. Graph
-inputs are counted apart (they are held by the caller); graph outputs live past the end.
+allocated by the first node that produces it and freed after the last node that reads any tensor on it, or, for a
+collective's input, after the collective's wait. Graph inputs are counted apart (they are held by the caller);
+graph outputs live past the end.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from zcompile import collectives
 
 
 def fmt(n: float) -> str:
@@ -61,12 +64,28 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _input_held_until_wait(node: fx.Node) -> bool:
+    """Whether the communication library keeps a collective's input alive until its wait: all-gathers do; NCCL's
+    reduce-scatter does; gloo's reduce-scatter copies its input when issued (measured: planned == measured with this
+    rule, tests/test_planner.py); a functional all-reduce works on its own copy, the input is free at issue."""
+    op = node.meta.get("zc_comm", {}).get("op")
+    if op == "all_gather":
+        return True
+    if op == "reduce_scatter":
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        return val is None or val.device.type != "cpu"
+    return False
+
+
 def analyze(gm: fx.GraphModule) -> Liveness:
     nodes = list(gm.graph.nodes)
     storages_of: dict[fx.Node, list] = {}
     size: dict = {}
     inputs: set = set()
     for n in nodes:
+        if n.op == "output":  # allocates nothing; its value repeats its inputs' (as fresh fake tensors)
+            storages_of[n] = []
+            continue
         src = _alias_source(n)
         if src is not None and storages_of.get(src):
             storages_of[n] = storages_of[src]
@@ -86,6 +105,13 @@ def analyze(gm: fx.GraphModule) -> Liveness:
         for a in n.all_input_nodes:
             for key in storages_of.get(a, []):
                 last_use[key] = k
+    position = {n: k for k, n in enumerate(nodes)}
+    for n in nodes:
+        if _input_held_until_wait(n):
+            waits = [position[w] for w in collectives.waits_of(n)]
+            for a in n.all_input_nodes:
+                for key in storages_of.get(a, []):
+                    last_use[key] = max([last_use.get(key, 0)] + waits)
     for a in gm.graph.output_node().all_input_nodes:
         for key in storages_of.get(a, []):
             last_use[key] = len(nodes)

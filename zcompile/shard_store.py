@@ -36,6 +36,7 @@ class ShardedParam:
         self.param_ref = weakref.ref(param)
         self.stage, self.rank, self.world = stage, ctx.rank, ctx.world
         self.group_name, self.group = ctx.group_name, ctx.group
+        self.planning = ctx.planning
         self.shape = tuple(param.shape)
         self.numel = param.numel()
         self.dtype = param.dtype
@@ -81,7 +82,7 @@ class ShardedParam:
     def release_full(self) -> None:
         """Stage 3: free the user parameter's full storage, keeping its metadata (the shard holds the values)."""
         p = self.param
-        if self.stage != 3 or self.persistent or p.untyped_storage().nbytes() == 0:
+        if self.stage != 3 or self.persistent or p.is_meta or p.untyped_storage().nbytes() == 0:
             return
         if p.untyped_storage().nbytes() != self.numel * self.dtype.itemsize:
             p.data = p.data.clone()  # shares storage with other tensors: free only its own copy
@@ -138,6 +139,7 @@ def owner(t: torch.Tensor) -> ShardedParam | None:
 
 def gather_full(zps: list[ShardedParam]) -> None:
     """Refresh the full buffers of stage 1/2 parameters from every rank's updated slice, in one collective."""
+    zps = [zp for zp in zps if not zp.planning]  # planning on meta: nothing to move
     if not zps:
         return
     by_key: dict = {}

@@ -163,6 +163,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
             for k, members in enumerate(_buckets(reductions, cap)):
                 _merge_reductions(graph, members, k, op)
         _sort_output_dependencies(graph)
+        collectives.limit_in_flight(graph, ("reduce_scatter", "all_reduce"))
     return gm
 
 

@@ -4,6 +4,10 @@ Stage 0/1: `all_reduce` of the full gradient (replicated on every rank).
 Stage 2/3: the gradient is flattened, zero-padded to world*s, `reduce_scatter_tensor`-ed, and only this rank's
 s-element shard leaves the graph, so the full gradient dies inside the backward.
 
+Each reduction is issued right where the backward produces its gradient, and waited on just before the next
+reduction is issued (one in flight, collectives.limit_in_flight): the full gradient is freed as the backward goes,
+instead of every gradient of the model living until the end of the backward.
+
 Gradients are pre-scaled by 1/world (a sum of pre-divided values: no overflow, no AVG support needed from gloo) and
 communicated in mixed_precision.reduce_dtype; a gradient that the backward just up-cast from that dtype is
 reduced before the cast.
@@ -31,6 +35,7 @@ def _in_dtype(graph: fx.Graph, g: fx.Node, dtype: torch.dtype) -> fx.Node:
 
 
 def _reduce(graph: fx.Graph, g: fx.Node, zp, pctx) -> fx.Node:
+    """Reduction chain inserted at the current point; returns its wait node."""
     rdtype = pctx.cfg.mixed_precision.reduce_dtype
     world, group = pctx.dist.world, pctx.dist.group_name
     val = g.meta.get("val")
@@ -47,8 +52,6 @@ def _reduce(graph: fx.Graph, g: fx.Node, zp, pctx) -> fx.Node:
             flat = graph.call_function(aten.constant_pad_nd.default, (flat, [0, zp.padded_numel - zp.numel], 0.0))
         why = f"backward: average grad {list(zp.shape)} over {world} ranks, keep shard of {zp.shard_numel}"
         out = collectives.reduce_scatter(graph, flat, zp.padded_numel, rdtype, world, group, why)
-    if rdtype != zp.dtype:
-        out = graph.call_function(prims.convert_element_type.default, (out, zp.dtype))
     return out
 
 
@@ -64,7 +67,13 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         g = grads[i]
         if g is None:
             continue
-        with graph.inserting_before(out):
-            grads[i] = _reduce(graph, g, zp, pctx)
+        with graph.inserting_before(g.next):  # as soon as the gradient exists
+            wait = _reduce(graph, g, zp, pctx)
+        out.prepend(wait)  # collectives.limit_in_flight pulls it up to the next reduction
+        if pctx.cfg.mixed_precision.reduce_dtype != zp.dtype:
+            with graph.inserting_before(out):
+                wait = graph.call_function(prims.convert_element_type.default, (wait, zp.dtype))
+        grads[i] = wait
     out.args = (type(out.args[0])(grads),)
+    collectives.limit_in_flight(graph, ("reduce_scatter", "all_reduce"))
     return gm

@@ -1,0 +1,5 @@
+import sys
+
+from zcompile.cli import main
+
+sys.exit(main())
