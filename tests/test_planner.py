@@ -50,3 +50,52 @@ def test_planned_peak_matches_measured(stage, bucket_mb):
     for r in runs:
         err = abs(r.planned_peak - r.measured_peak) / r.measured_peak
         assert err < 0.05, f"{r.kind}: planned {r.planned_peak} B, measured {r.measured_peak} B ({err:.1%} off)"
+
+
+def test_plan_175b_on_512_ranks_matches_zero_formulas():
+    """GPT-3 175B planned for 512 ranks on the meta device: model states per rank equal the ZeRO-3 formula
+    16*P/N (the paper's (2+2+12)*P/N), and a step moves 3x the model (ZeRO-3's 1.5x DDP)."""
+    import resource
+    from zcompile.plan import plan
+    result = plan("gpt-175b", world=512, nodes=64)
+    P = result.num_params
+    assert 174e9 < P < 176e9
+    assert result.state.total == pytest.approx(16 * P / 512, rel=1e-4)
+    assert result.state.total == pytest.approx(result.paper_formula_bytes, rel=1e-4)
+    assert result.state.total == pytest.approx(result.formula_bytes, rel=1e-6)
+    assert result.comm_total / (4 * P) == pytest.approx(3.0, abs=0.01)
+    # gradients are reduce-scattered as they are produced: the backward never holds the whole model
+    assert result.graph_peaks["backward"]["transient"] < 0.1 * 4 * P
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 16 * 2**20  # KiB: nothing of 700 GB allocated
+
+
+def test_plan_cli_writes_schedule_trace_and_json(tmp_path):
+    import json
+    import subprocess
+    import sys
+    cfg = tmp_path / "zero2.yaml"
+    cfg.write_text("stage: 2\n")
+    out = subprocess.run([sys.executable, "-m", "zcompile", "plan", "gpt-small", "--world", "8", "--layers", "2",
+                          "--seq", "128", "--config", str(cfg), "--out", str(tmp_path / "plan")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "stage 2, 8 ranks" in out.stdout and "planned/formula = 1.000000" in out.stdout
+    trace = json.load(open(tmp_path / "plan" / "timeline.json"))["traceEvents"]
+    lanes = {e.get("cat") for e in trace if e.get("ph") == "X"}
+    assert {"compute", "comm", "graph"} <= lanes
+    assert "reduce_scatter" in open(tmp_path / "plan" / "schedule.txt").read()
+    bad = subprocess.run([sys.executable, "-m", "zcompile", "plan", "gpt-9000", "--world", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown model 'gpt-9000'" in bad.stderr
+
+
+def test_memory_plot_and_dumped_timeline(tmp_path):
+    from zcompile import timeline
+    config = {"stage": 3, "backend": "eager", "dump": str(tmp_path)}
+    runs = run_world(2, workers.planned_vs_measured, "gpt", config)[0]
+    timeline.plot_memory(runs, str(tmp_path / "memory.png"))
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
+    import json
+    trace = json.load(open(tmp_path / "rank1" / "graph0_timeline.json"))["traceEvents"]
+    comm = [e for e in trace if e.get("cat") == "comm"]
+    assert comm and all(e["pid"] == 1 for e in comm) and {e["name"] for e in comm} == {"all_gather", "reduce_scatter"}

@@ -121,7 +121,9 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     cfg = dataclasses.replace(cfg, backend="eager", schedule_check=False, dump=None)
     torch._dynamo.reset()
     zbackend.JOBS.clear()
-    with planning(world), torch.device("meta"):
+    # AOTAutograd traces the backward through autograd on meta tensors; nll_loss's fallback warns there, harmlessly.
+    with planning(world), torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
         net = GPT(gcfg)
         compiled = torch.compile(net, backend="zero", options={"config": cfg}, fullgraph=True)
         idx = torch.zeros(micro, seq, dtype=torch.long)
@@ -170,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="directory for schedule.txt, timeline.json (Chrome/Perfetto) and plan.json")
     ap.add_argument("--schedule", action="store_true", help="print every collective of the schedule")
     args = ap.parse_args(argv)
-    # AOTAutograd traces the backward through autograd on meta tensors; nll_loss's fallback warns there, harmlessly.
-    warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
     if args.offload != "none":
         print("zcompile plan: --offload is not implemented yet (ZeRO-Infinity offload is an open issue)", file=sys.stderr)
         return 2
