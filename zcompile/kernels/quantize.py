@@ -1,0 +1,147 @@
+"""Block-wise symmetric quantization for ZeRO++ (qwZ int8 weights, qgZ int4 gradients), as torch.library custom ops.
+
+Each op has a Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) and a pure-torch fallback that
+computes the same bits: per block of `block` elements, amax = max |x|, q = clamp(floor(x * (qmax / amax) + 0.5),
+-qmax, qmax) (clamped before the cast; round-half-up because libdevice's rint is unavailable in the interpreter),
+scale = amax / qmax, and x' = q * scale. A zero block has scale 0 and quantizes to 0. int4 packs two values per
+byte, low nibble first, two's complement. Fake implementations let the ops live inside compiled graphs.
+
+    q, scale = torch.ops.zcompile.quantize_int8(x, 2048)        # x: flat fp32/bf16/fp16
+    x2 = torch.ops.zcompile.dequantize_int8(q, scale, 2048, torch.bfloat16)
+    packed, scale = torch.ops.zcompile.quantize_int4(x, 512)
+    total = torch.ops.zcompile.dequantize_sum_int4(packed_rows, scale_rows, 512)   # sum over rows, in fp32
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zcompile.kernels import triton_quantize
+
+
+def _num_blocks(n: int, block: int) -> int:
+    return (n + block - 1) // block
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA, or on CPU under TRITON_INTERPRET=1 (tests); the torch fallback otherwise."""
+    if not triton_quantize.AVAILABLE:
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _check(x: torch.Tensor, block: int, even: bool = False) -> None:
+    if x.dim() != 1:
+        raise ValueError(f"quantization takes a flat tensor, got shape {tuple(x.shape)}")
+    if block <= 0 or (even and block % 2):
+        raise ValueError(f"block must be a positive{' even' if even else ''} number of elements, got {block}")
+    if not x.is_floating_point():
+        raise TypeError(f"quantization takes a floating-point tensor, got {x.dtype}")
+
+
+# ---------------------------------------------------------------- reference (pure torch) implementations
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    n = x.numel()
+    pad = _num_blocks(n, block) * block - n
+    return torch.nn.functional.pad(x.float(), (0, pad)).view(-1, block)
+
+
+def quantize_ref(x: torch.Tensor, block: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    xb = _blocks(x, block)
+    amax = xb.abs().amax(dim=1, keepdim=True)
+    # tensor / tensor: IEEE division (torch computes `scalar / tensor` as reciprocal * scalar, off by an ulp)
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    q = torch.floor(xb * inv + 0.5).clamp_(-qmax, qmax)
+    return q.view(-1)[: x.numel()].to(torch.int8), (amax / torch.full_like(amax, qmax)).view(-1)
+
+
+def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    n = q.numel()
+    qb = torch.nn.functional.pad(q.float(), (0, _num_blocks(n, block) * block - n)).view(-1, block)
+    return (qb * scale.view(-1, 1)).view(-1)[:n].to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    q = torch.nn.functional.pad(q, (0, q.numel() % 2)).view(-1, 2).to(torch.int16)
+    return ((q[:, 0] & 0xF) | ((q[:, 1] & 0xF) << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    p = packed.to(torch.int16)
+    lo, hi = p & 0xF, (p >> 4) & 0xF
+    both = torch.stack([lo, hi], dim=1).view(-1)[:n]
+    return torch.where(both > 7, both - 16, both).to(torch.int8)
+
+
+# ---------------------------------------------------------------- custom ops
+@torch.library.custom_op("zcompile::quantize_int8", mutates_args=())
+def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, block)
+    if use_triton(x):
+        return triton_quantize.quantize(x, block, 127, pack=False)
+    return quantize_ref(x, block, 127)
+
+
+@quantize_int8.register_fake
+def _(x, block):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(_num_blocks(x.numel(), block), dtype=torch.float32)
+
+
+@torch.library.custom_op("zcompile::dequantize_int8", mutates_args=())
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(q):
+        return triton_quantize.dequantize(q, scale, block, dtype, packed_n=None)
+    return dequantize_ref(q, scale, block, dtype)
+
+
+@dequantize_int8.register_fake
+def _(q, scale, block, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+@torch.library.custom_op("zcompile::quantize_int4", mutates_args=())
+def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, block, even=True)
+    if use_triton(x):
+        return triton_quantize.quantize(x, block, 7, pack=True)
+    q, scale = quantize_ref(x, block, 7)
+    return pack_int4(q), scale
+
+
+@quantize_int4.register_fake
+def _(x, block):
+    return (x.new_empty((x.numel() + 1) // 2, dtype=torch.uint8),
+            x.new_empty(_num_blocks(x.numel(), block), dtype=torch.float32))
+
+
+@torch.library.custom_op("zcompile::dequantize_int4", mutates_args=())
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, block: int, n: int, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    if use_triton(packed):
+        return triton_quantize.dequantize(packed, scale, block, dtype, packed_n=n)
+    return dequantize_ref(unpack_int4(packed, n), scale, block, dtype)
+
+
+@dequantize_int4.register_fake
+def _(packed, scale, block, n, dtype):
+    return packed.new_empty(n, dtype=dtype)
+
+
+@torch.library.custom_op("zcompile::dequantize_sum_int4", mutates_args=())
+def dequantize_sum_int4(packed: torch.Tensor, scale: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """Rows of packed int4 values ([k, ceil(n/2)], scales [k, blocks]) dequantized and summed over rows, in fp32,
+    row 0 first: the dequantize+reduce step of qgZ."""
+    if packed.dim() != 2 or scale.dim() != 2 or packed.shape[0] != scale.shape[0]:
+        raise ValueError(f"expected [k, bytes] and [k, blocks], got {tuple(packed.shape)} and {tuple(scale.shape)}")
+    if use_triton(packed):
+        return triton_quantize.dequantize_sum(packed, scale, block, n)
+    total = torch.zeros(n, dtype=torch.float32, device=packed.device)
+    for k in range(packed.shape[0]):
+        total += dequantize_ref(unpack_int4(packed[k], n), scale[k], block, torch.float32)
+    return total
+
+
+@dequantize_sum_int4.register_fake
+def _(packed, scale, block, n):
+    return packed.new_empty(n, dtype=torch.float32)
