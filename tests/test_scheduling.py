@@ -30,7 +30,7 @@ def test_liveness_is_alias_aware():
     assert live.live_after[-1][1] == 4  # only the scalar output survives
 
 
-@pytest.mark.parametrize("bucket_mb, prefetch", [(0, 0), (0, 2), (0.05, 1), (25, 1)])
+@pytest.mark.parametrize("bucket_mb, prefetch", [(0, 0), (0, 2), (0.05, 1), (25, 1), (25, 0)])
 def test_bucketing_and_prefetch_keep_parity(bucket_mb, prefetch, tmp_path):
     ref_params, _ = workers.reference("gpt", 2, steps=5)
     config = {"stage": 3, "backend": "eager", "bucket_mb": bucket_mb, "prefetch": prefetch, "dump": str(tmp_path)}

@@ -80,14 +80,15 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
         wait = graph.call_function(c10d.wait_tensor.default, (ag,))
         rows = graph.call_function(aten.view.default, (wait, [world, total]))
     wait.meta["zc_note"] = f"wait for bucket {bucket_id}, then copy each member out"
-    offset = 0
-    for m, size in zip(members, shard_sizes):
-        old_wait = _wait_of(m)
-        with graph.inserting_before(earliest_wait):
+    offset, fulls = 0, []
+    for size in shard_sizes:
+        with graph.inserting_before(earliest_wait):  # still in the graph: old waits are erased after the loop
             block = graph.call_function(aten.slice.Tensor, (rows, 1, offset, offset + size))
             copy = graph.call_function(aten.clone.default, (block,), {"memory_format": torch.contiguous_format})
-            full = graph.call_function(aten.view.default, (copy, [world * size]))
+            fulls.append(graph.call_function(aten.view.default, (copy, [world * size])))
         offset += size
+    for m, full in zip(members, fulls):
+        old_wait = _wait_of(m)
         old_wait.replace_all_uses_with(full)
         graph.erase_node(old_wait)
         old_buf = m.kwargs["out"]
