@@ -220,3 +220,11 @@ def planned_vs_measured(rank: int, world: int, name: str, config: dict, steps: i
         if key not in best or r.measured_peak < best[key].measured_peak:
             best[key] = r
     return list(best.values())
+
+
+def losses_and_traffic(rank: int, world: int, name: str, config: dict, steps: int) -> dict:
+    """Train; return the losses and the collective bytes of the last step by op."""
+    model, opt, losses = train(rank, world, name, config, steps - 1)
+    zcompile.reset_traffic()
+    _, _, last = train(rank, world, name, config, 1, model=model, opt=opt, start=steps - 1)
+    return {"losses": losses + last, "traffic": zcompile.traffic()}

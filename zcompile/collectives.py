@@ -24,8 +24,10 @@ COLLECTIVE_OPS = {
 }
 
 
-def _annotate(node: fx.Node, op: str, nbytes: int, group: str, why: str, numel: int) -> None:
-    node.meta["zc_comm"] = {"op": op, "bytes": int(nbytes), "group": group, "why": why, "numel": int(numel)}
+def _annotate(node: fx.Node, op: str, nbytes: int, group: str, why: str, numel: int,
+              dtype: torch.dtype | None = None) -> None:
+    node.meta["zc_comm"] = {"op": op, "bytes": int(nbytes), "group": group, "why": why, "numel": int(numel),
+                            "dtype": dtype}
 
 
 def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, world: int, group: str,
@@ -33,7 +35,7 @@ def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, 
     """All-gather a flat [numel] shard into a flat [world*numel] tensor; returns the wait node."""
     out = graph.call_function(aten.new_empty.default, (shard, [world * numel]))
     ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (shard, world, group), {"out": out})
-    _annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why, numel * world)
+    _annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why, numel * world, dtype)
     return graph.call_function(c10d.wait_tensor.default, (ag,))
 
 
@@ -41,13 +43,13 @@ def reduce_scatter(graph: fx.Graph, flat: fx.Node, numel: int, dtype: torch.dtyp
                    why: str) -> fx.Node:
     """Sum-reduce-scatter a flat [numel] tensor (numel divisible by world); returns the wait node."""
     rs = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
-    _annotate(rs, "reduce_scatter", numel * dtype.itemsize, group, why, numel)
+    _annotate(rs, "reduce_scatter", numel * dtype.itemsize, group, why, numel, dtype)
     return graph.call_function(c10d.wait_tensor.default, (rs,))
 
 
 def all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, dtype: torch.dtype, group: str, why: str) -> fx.Node:
     ar = graph.call_function(c10d.all_reduce.default, (tensor, "sum", group))
-    _annotate(ar, "all_reduce", numel * dtype.itemsize, group, why, numel)
+    _annotate(ar, "all_reduce", numel * dtype.itemsize, group, why, numel, dtype)
     return graph.call_function(c10d.wait_tensor.default, (ar,))
 
 

@@ -30,6 +30,12 @@ class MixedPrecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantizeWeights:
+    bits: int = 8
+    block: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     stage: int = 3
     backend: str = "inductor"
@@ -42,6 +48,7 @@ class Config:
     prefetch: int = 1
     memory_budget: str | float | None = None
     persist_threshold: str | int = 0
+    quantize_weights: QuantizeWeights | None = None  # ZeRO++ qwZ
     source: str = "<defaults>"
 
     def memory_budget_bytes(self, device: torch.device) -> int | None:
@@ -57,8 +64,8 @@ class Config:
         """The pass pipeline: the YAML's, or the default for the stage."""
         if self.pipeline is not None:
             return self.pipeline
-        return ("mixed_precision", "tag_param_recompute", "shard_params", "reduce_grads", "bucket_collectives",
-                "prefetch")
+        return ("mixed_precision", "tag_param_recompute", "shard_params", "quantize_weights", "reduce_grads",
+                "bucket_collectives", "prefetch")
 
     @property
     def dump_dir(self) -> str | None:
@@ -81,6 +88,10 @@ SCHEMA: dict[str, Any] = {
     "prefetch": ((int,), "all-gathers issued this many buckets ahead of their use (0: right before use)"),
     "memory_budget": ((str, int, float, type(None)),
                       "cap on a rank's planned step peak: '12GiB', bytes, or a fraction of device memory"),
+    "quantize_weights": {
+        "bits": ((int,), "qwZ: bits per weight in forward all-gathers (8)"),
+        "block": ((int,), "qwZ: elements per quantization block, each with its own fp32 scale"),
+    },
     "persist_threshold": ((str, int),
                           "stage 3: parameters of at most this many bytes stay whole (no gathers): '64KiB' or bytes"),
 }
@@ -180,6 +191,19 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     if persist and stage != 3:
         raise ConfigError(f"{where}: key 'persist_threshold' applies to stage 3 only (stage {stage} keeps every "
                           "parameter whole or steps them without gathers)")
+    qw = raw.get("quantize_weights")
+    if qw is not None:
+        qw = QuantizeWeights(qw.get("bits", 8), qw.get("block", 2048))
+        if qw.bits != 8:
+            raise ConfigError(f"{where}: key 'quantize_weights.bits' must be 8 (int8 weights, ZeRO++ qwZ), "
+                              f"got {qw.bits}")
+        if qw.block < 1:
+            raise ConfigError(f"{where}: key 'quantize_weights.block' must be positive, got {qw.block}")
+        if stage != 3:
+            raise ConfigError(f"{where}: key 'quantize_weights' needs stage 3 (only stage 3 gathers parameters)")
+        if raw.get("pipeline") is not None and "quantize_weights" not in raw["pipeline"]:
+            raise ConfigError(f"{where}: key 'quantize_weights' is set but the 'pipeline' lacks the "
+                              "quantize_weights pass")
     pipeline = raw.get("pipeline")
     if pipeline is not None:
         if not all(isinstance(p, str) for p in pipeline):
@@ -188,7 +212,8 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     cfg = Config(stage=stage, backend=backend, mixed_precision=MixedPrecision(param_dtype, reduce_dtype),
                  dump=raw.get("dump"), pipeline=pipeline, schedule_check=raw.get("schedule_check", True),
                  collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
-                 memory_budget=raw.get("memory_budget"), persist_threshold=persist, source=where)
+                 memory_budget=raw.get("memory_budget"), persist_threshold=persist, quantize_weights=qw,
+                 source=where)
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:

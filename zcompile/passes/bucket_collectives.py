@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import collectives
+from zcompile.passes import placement
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -37,7 +38,9 @@ def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
     size = cap_bytes
     for n in nodes:
         b = n.meta["zc_comm"]["bytes"]
-        if size + b > cap_bytes and buckets and buckets[-1]:
+        new_dtype = bool(buckets and buckets[-1]) and buckets[-1][-1].meta["zc_comm"].get("dtype") != \
+            n.meta["zc_comm"].get("dtype")  # one flat buffer holds one dtype (qwZ payloads are int8)
+        if (size + b > cap_bytes or new_dtype) and buckets and buckets[-1]:
             buckets.append([])
             size = 0
         if not buckets:
@@ -49,10 +52,11 @@ def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
 
 
 def _annotate(node: fx.Node, op: str, members: list[fx.Node], why: str) -> None:
-    group = members[0].meta["zc_comm"]["group"]
+    first = members[0].meta["zc_comm"]
     total = sum(m.meta["zc_comm"]["bytes"] for m in members)
     numel = sum(m.meta["zc_comm"]["numel"] for m in members)
-    node.meta["zc_comm"] = {"op": op, "bytes": total, "group": group, "why": why, "numel": numel}
+    node.meta["zc_comm"] = {"op": op, "bytes": total, "group": first["group"], "why": why, "numel": numel,
+                            "dtype": first.get("dtype")}
 
 
 def _members_text(members: list[fx.Node]) -> str:
@@ -63,9 +67,8 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
     first = members[0]
     world, group = first.args[1], first.args[2]
     srcs = [m.args[0] for m in members]
-    for src in srcs[1:]:  # a cast of a shard: move it up with the bucket
-        if src.op != "placeholder" and _after(graph, src, first):
-            first.prepend(src)
+    for src in srcs[1:]:  # a cast of a shard, a quantized payload: move it (and its inputs) up with the bucket
+        placement.hoist(graph, src, first)
     shard_sizes = [m.meta["zc_comm"]["numel"] // world for m in members]
     total = sum(shard_sizes)
     order = {n: k for k, n in enumerate(graph.nodes)}
@@ -143,11 +146,6 @@ def _rewire_waits(graph: fx.Graph, members: list[fx.Node], coalesced: fx.Node, p
         wait.replace_all_uses_with(new_wait)
         graph.erase_node(wait)
         graph.erase_node(m)
-
-
-def _after(graph: fx.Graph, a: fx.Node, b: fx.Node) -> bool:
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    return order[a] > order[b]
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import liveness, planner
+from zcompile.passes import placement
 
 c10d = torch.ops._c10d_functional
 
@@ -26,29 +27,13 @@ def _wait(gather: fx.Node) -> fx.Node:
     return wait
 
 
-def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> None:
-    """Move `node` (and inputs of it that are pure functions of placeholders) before `before`."""
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    if order[node] <= order[before]:
-        return
-    for inp in node.all_input_nodes:
-        if inp.op != "placeholder" and order[inp] > order[before]:
-            _hoist(graph, inp, before)
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    latest = max(node.all_input_nodes, key=order.get, default=None)
-    if latest is not None and order[latest] >= order[before]:  # `before` is itself an input (e.g. a shard cast)
-        before = latest.next
-    if before is not node:
-        before.prepend(node)
-
-
 def _apply(gm: fx.GraphModule, distance: int) -> None:
     graph = gm.graph
     gathers = _gathers(graph)
     start = next(n for n in graph.nodes if n.op != "placeholder")
     for k, g in enumerate(gathers):
         target = start if k < distance else _wait(gathers[k - distance])
-        _hoist(graph, g, target)
+        placement.hoist(graph, g, target)
         why = g.meta["zc_comm"]["why"]
         g.meta["zc_comm"] = dict(g.meta["zc_comm"], why=f"{why} [prefetched {distance} gather(s) ahead]")
 

@@ -1,0 +1,20 @@
+"""Moving nodes earlier in an FX graph together with what they depend on (used to issue collectives early)."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+def hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> None:
+    """Move `node` (and inputs of it that are pure functions of placeholders) before `before`."""
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    if order[node] <= order[before]:
+        return
+    for inp in node.all_input_nodes:
+        if inp.op != "placeholder" and order[inp] > order[before]:
+            hoist(graph, inp, before)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    latest = max(node.all_input_nodes, key=order.get, default=None)
+    if latest is not None and order[latest] >= order[before]:  # `before` is itself an input (e.g. a shard cast)
+        before = latest.next
+    if before is not node:
+        before.prepend(node)
