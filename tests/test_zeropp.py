@@ -38,3 +38,12 @@ def test_qwz_config_errors():
         from_dict({"quantize_weights": {"bits": 4}})
     with pytest.raises(ConfigError, match="lacks the quantize_weights pass"):
         from_dict({"quantize_weights": {}, "pipeline": ["tag_param_recompute", "shard_params", "reduce_grads"]})
+
+
+def test_qwz_under_inductor_matches_eager():
+    """The quantize/dequantize custom ops and int8 payload views compile with inductor (C++ on CPU)."""
+    base = {"stage": 3, "backend": "inductor", "quantize_weights": {"bits": 8, "block": 256}}
+    compiled = run_world(2, workers.losses_and_traffic, "gpt", base, 3)[0]
+    eager = run_world(2, workers.losses_and_traffic, "gpt", dict(base, backend="eager"), 3)[0]
+    assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-4)
+    assert compiled["traffic"] == eager["traffic"]
