@@ -47,3 +47,17 @@ def test_qwz_under_inductor_matches_eager():
     eager = run_world(2, workers.losses_and_traffic, "gpt", dict(base, backend="eager"), 3)[0]
     assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-4)
     assert compiled["traffic"] == eager["traffic"]
+
+
+def test_topology_accounts_cross_node_bytes(tmp_path):
+    """4 ranks as 2 nodes x 2: every ZeRO-3 collective spans the world, so all its bytes cross nodes; as 1 node x 4,
+    none do. A world that does not split into equal nodes is a config error."""
+    base = {"stage": 3, "backend": "eager", "dump": str(tmp_path)}
+    two_nodes = run_world(4, workers.losses_and_traffic, "gpt", dict(base, ranks_per_node=2), 2)[0]
+    assert two_nodes["cross_node"] == two_nodes["traffic"] and sum(two_nodes["traffic"].values()) > 0
+    sched = open(tmp_path / "rank0" / "graph0_schedule.txt").read()
+    assert "cross-node" in sched and "intra-node" not in sched
+    one_node = run_world(4, workers.losses_and_traffic, "gpt", dict(base, ranks_per_node=4, dump=None), 2)[0]
+    assert one_node["cross_node"] == {} and one_node["traffic"] == two_nodes["traffic"]
+    with pytest.raises(Exception, match="nodes must hold the same number of ranks"):
+        run_world(4, workers.losses_and_traffic, "gpt", dict(base, ranks_per_node=3, dump=None), 1)

@@ -227,4 +227,4 @@ def losses_and_traffic(rank: int, world: int, name: str, config: dict, steps: in
     model, opt, losses = train(rank, world, name, config, steps - 1)
     zcompile.reset_traffic()
     _, _, last = train(rank, world, name, config, 1, model=model, opt=opt, start=steps - 1)
-    return {"losses": losses + last, "traffic": zcompile.traffic()}
+    return {"losses": losses + last, "traffic": zcompile.traffic(), "cross_node": zcompile.traffic(cross_node=True)}

@@ -26,6 +26,7 @@ from zcompile import (backends, collectives, config as zconfig, liveness, memory
 from zcompile.dist_context import DistContext
 from zcompile.dump import GraphDumper
 from zcompile.pass_context import PassContext
+from zcompile.topology import Topology
 
 _graph_ids = itertools.count()
 
@@ -81,6 +82,9 @@ class _GraphCompile:
                  num_args: int):
         self.cfg, self.ctx, self.params, self.num_args = cfg, ctx, params, num_args
         self.graph_id = next(_graph_ids)
+        self.topology = Topology.resolve(ctx.world, cfg.ranks_per_node, cfg.source)
+        for zp in params.values():
+            zp.cross_node = self.topology.crosses_nodes(range(ctx.world))
         self.dump = GraphDumper(cfg.dump_dir, ctx.rank, self.graph_id)
         self.final: dict[str, fx.GraphModule] = {}
         self.planned: dict[str, liveness.Liveness] = {}  # liveness of each final graph, as compiled
@@ -98,6 +102,7 @@ class _GraphCompile:
             gm.meta["zc_notes"] = list(self.notes)
             self.dump(kind, "input", gm)
         gm = passes.run_phase("split", gm, pctx, (lambda name, g: None) if trial else self.dumper(kind))
+        collectives.mark_cross_node(gm, self.topology, range(self.ctx.world))
         _set_placeholder_vals(gm, pctx)
         _refresh_meta(gm)
         if not trial:

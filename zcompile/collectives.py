@@ -84,19 +84,33 @@ def schedule(gm: fx.GraphModule) -> list[dict]:
     return [dict(n.meta["zc_comm"], node=n.name) for n in gm.graph.nodes if "zc_comm" in n.meta]
 
 
-# Bytes of every collective this process issued (compiled graphs and optimizer-step refreshes), by op.
+def mark_cross_node(gm: fx.GraphModule, topology, group_ranks) -> None:
+    """Record on every collective whether its group spans more than one node."""
+    cross = topology.crosses_nodes(group_ranks)
+    for n in gm.graph.nodes:
+        if "zc_comm" in n.meta:
+            n.meta["zc_comm"]["cross_node"] = cross
+
+
+# Bytes of every collective this process issued (compiled graphs and optimizer-step refreshes), by op; and the part
+# of them whose group spans nodes.
 TRAFFIC: collections.Counter = collections.Counter()
+CROSS_NODE: collections.Counter = collections.Counter()
 
 
 def count(sched: list[dict]) -> None:
     for c in sched:
         TRAFFIC[c["op"]] += c["bytes"]
+        if c.get("cross_node"):
+            CROSS_NODE[c["op"]] += c["bytes"]
 
 
-def traffic() -> dict[str, int]:
-    """Collective bytes issued by this process since the last reset_traffic(), by op."""
-    return dict(TRAFFIC)
+def traffic(cross_node: bool = False) -> dict[str, int]:
+    """Collective bytes issued by this process since the last reset_traffic(), by op (only those whose group spans
+    nodes with cross_node=True; see the `ranks_per_node` config key)."""
+    return dict(CROSS_NODE if cross_node else TRAFFIC)
 
 
 def reset_traffic() -> None:
     TRAFFIC.clear()
+    CROSS_NODE.clear()

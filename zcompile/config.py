@@ -49,6 +49,7 @@ class Config:
     memory_budget: str | float | None = None
     persist_threshold: str | int = 0
     quantize_weights: QuantizeWeights | None = None  # ZeRO++ qwZ
+    ranks_per_node: int | None = None
     source: str = "<defaults>"
 
     def memory_budget_bytes(self, device: torch.device) -> int | None:
@@ -92,6 +93,8 @@ SCHEMA: dict[str, Any] = {
         "bits": ((int,), "qwZ: bits per weight in forward all-gathers (8)"),
         "block": ((int,), "qwZ: elements per quantization block, each with its own fp32 scale"),
     },
+    "ranks_per_node": ((int, type(None)),
+                       "ranks per node, for intra/cross-node accounting (default: torchrun's LOCAL_WORLD_SIZE)"),
     "persist_threshold": ((str, int),
                           "stage 3: parameters of at most this many bytes stay whole (no gathers): '64KiB' or bytes"),
 }
@@ -204,6 +207,9 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
         if raw.get("pipeline") is not None and "quantize_weights" not in raw["pipeline"]:
             raise ConfigError(f"{where}: key 'quantize_weights' is set but the 'pipeline' lacks the "
                               "quantize_weights pass")
+    rpn = raw.get("ranks_per_node")
+    if rpn is not None and rpn < 1:
+        raise ConfigError(f"{where}: key 'ranks_per_node' must be positive, got {rpn}")
     pipeline = raw.get("pipeline")
     if pipeline is not None:
         if not all(isinstance(p, str) for p in pipeline):
@@ -213,7 +219,7 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                  dump=raw.get("dump"), pipeline=pipeline, schedule_check=raw.get("schedule_check", True),
                  collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
                  memory_budget=raw.get("memory_budget"), persist_threshold=persist, quantize_weights=qw,
-                 source=where)
+                 ranks_per_node=rpn, source=where)
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:

@@ -24,6 +24,10 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _span(c: dict) -> str:
+    return {True: " cross-node", False: " intra-node"}.get(c.get("cross_node"), "")
+
+
 def annotated_code(gm: fx.GraphModule) -> str:
     """print_readable() output with a `# zc:` comment after each line that assigns a collective or noted node."""
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -33,7 +37,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
         node = by_name.get(m.group(2)) if m else None
         if node is not None and "zc_comm" in node.meta:
             c = node.meta["zc_comm"]
-            line += f"  # zc: {c['op']} {_fmt_bytes(c['bytes'])} group={c['group']} -- {c['why']}"
+            line += f"  # zc: {c['op']} {_fmt_bytes(c['bytes'])} group={c['group']}{_span(c)} -- {c['why']}"
         elif node is not None and "zc_note" in node.meta:
             line += f"  # zc: {node.meta['zc_note']}"
         lines.append(line)
@@ -46,7 +50,7 @@ def schedule_text(kind: str, gm: fx.GraphModule) -> str:
     live = liveness.analyze(gm)
     out = [f"== {kind}: {len(sched)} collectives, {_fmt_bytes(total)} ({total} bytes); planned transient peak "
            f"{liveness.fmt(live.peak_bytes)} after {live.peak_node}, inputs {liveness.fmt(live.input_bytes)}"]
-    out += [f"  {k:3d} {c['op']:<15} {_fmt_bytes(c['bytes']):>10}  group={c['group']}  {c['node']}: {c['why']}"
+    out += [f"  {k:3d} {c['op']:<15} {_fmt_bytes(c['bytes']):>10}  group={c['group']}{_span(c)}  {c['node']}: {c['why']}"
             for k, c in enumerate(sched)]
     return "\n".join(out) + "\n"
 

@@ -49,6 +49,7 @@ class Plan:
     comm_bytes: dict            # kind -> {op: bytes}; "optimizer_step" for stage 1/2 parameter refresh
     collectives: dict           # kind -> number of collectives
     budget: int | None
+    cross_node_bytes: int = 0   # of comm, the bytes of collectives whose group spans nodes
     graphs: dict = dataclasses.field(repr=False, default_factory=dict)
 
     @property
@@ -80,7 +81,8 @@ class Plan:
                 per_op[op] = per_op.get(op, 0) + b
         detail = ", ".join(f"{op} {f(b)}" for op, b in sorted(per_op.items()))
         lines.append(f"communication per step and rank: {f(self.comm_total)} ({detail}) = "
-                     f"{self.comm_total / psi_bytes:.3f} x model size (ZeRO-3: 3x, DDP: 2x)")
+                     f"{self.comm_total / psi_bytes:.3f} x model size (ZeRO-3: 3x, DDP: 2x); crossing nodes: "
+                     f"{f(self.cross_node_bytes)} = {self.cross_node_bytes / psi_bytes:.3f} x model size")
         return "\n".join(lines)
 
     def schedule_text(self) -> str:
@@ -118,7 +120,8 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     if isinstance(cfg.memory_budget, float) and cfg.memory_budget <= 1:
         raise zconfig.ConfigError(f"{cfg.source}: key 'memory_budget' is a fraction of device memory; planning "
                                   "has no device, give it in bytes (e.g. '80GiB')")
-    cfg = dataclasses.replace(cfg, backend="eager", schedule_check=False, dump=None)
+    cfg = dataclasses.replace(cfg, backend="eager", schedule_check=False, dump=None,
+                              ranks_per_node=cfg.ranks_per_node or world // nodes)
     torch._dynamo.reset()
     zbackend.JOBS.clear()
     # AOTAutograd traces the backward through autograd on meta tensors; nll_loss's fallback warns there, harmlessly.
@@ -138,16 +141,18 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     state = planner.model_state(zps)
     graphs = {kind: gm for kind, gm in job.final.items()}
     lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
-    comm, counts = {}, {}
+    comm, counts, cross = {}, {}, 0
     for kind, gm in graphs.items():
         sched = collectives.schedule(gm)
         counts[kind] = len(sched)
         comm[kind] = {}
         for c in sched:
             comm[kind][c["op"]] = comm[kind].get(c["op"], 0) + c["bytes"]
+            cross += c["bytes"] if c.get("cross_node") else 0
     refresh = sum(zp.padded_numel * zp.dtype.itemsize for zp in zps if zp.keeps_full and zp.stage >= 1)
     if refresh:
         comm["optimizer_step"] = {"all_gather": refresh}
+        cross += refresh if job.topology.nodes > 1 else 0
     persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
     return Plan(
         model=name, num_params=P, world=world, nodes=nodes, stage=cfg.stage, state=state,
@@ -156,7 +161,7 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         graph_peaks={k: {"inputs": v.input_bytes, "transient": v.peak_bytes, "peak_node": v.peak_node}
                      for k, v in lives.items()},
         step_peak=planner.step_peak(state, lives), comm_bytes=comm, collectives=counts,
-        budget=cfg.memory_budget_bytes(torch.device("meta")), graphs=graphs)
+        budget=cfg.memory_budget_bytes(torch.device("meta")), cross_node_bytes=cross, graphs=graphs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ class ShardedParam:
         self.stage, self.rank, self.world = stage, ctx.rank, ctx.world
         self.group_name, self.group = ctx.group_name, ctx.group
         self.planning = ctx.planning
+        self.cross_node = False  # the world spans nodes (set by the backend from the config's topology)
         self.shape = tuple(param.shape)
         self.numel = param.numel()
         self.dtype = param.dtype
@@ -151,6 +152,8 @@ def gather_full(zps: list[ShardedParam]) -> None:
         recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
         all_gather_flat(recv, send, group)
         collectives.TRAFFIC["all_gather"] += recv.numel() * recv.element_size()
+        if items[0].cross_node:
+            collectives.CROSS_NODE["all_gather"] += recv.numel() * recv.element_size()
         per_rank = recv.view(items[0].world, -1)
         offset = 0
         for zp in items:

@@ -1,0 +1,32 @@
+"""Which ranks share a node: K nodes x G ranks per node, rank r on node r // G (torchrun's layout).
+
+Used to account every collective as intra- or cross-node (the bytes ZeRO++ is about) and, later, to build the
+intra-node groups hpZ and qgZ need.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    world: int
+    ranks_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    def crosses_nodes(self, ranks) -> bool:
+        return len({r // self.ranks_per_node for r in ranks}) > 1
+
+    @staticmethod
+    def resolve(world: int, ranks_per_node: int | None, where: str = "<config>") -> "Topology":
+        """`ranks_per_node` from the config, else torchrun's LOCAL_WORLD_SIZE, else every rank on one node."""
+        from zcompile.config import ConfigError
+        g = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+        if g < 1 or world % g:
+            raise ConfigError(f"{where}: key 'ranks_per_node' is {g} but the world has {world} ranks: nodes must "
+                              "hold the same number of ranks")
+        return Topology(world, g)
