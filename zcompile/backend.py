@@ -26,6 +26,7 @@ from zcompile import (backends, collectives, config as zconfig, liveness, memory
 from zcompile.dist_context import DistContext
 from zcompile.dump import GraphDumper
 from zcompile.pass_context import PassContext
+from zcompile.passes import placement
 from zcompile.topology import Topology
 
 _graph_ids = itertools.count()
@@ -122,7 +123,7 @@ class _GraphCompile:
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         headroom = None
         if budget is not None:
-            lives = {kind: liveness.analyze(self.split_passes(_copy_module(gm), kind, trial=True)[0])
+            lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind, trial=True)[0])
                      for kind, gm in graphs.items()}
             peak = planner.step_peak(planner.model_state(list(self.params.values())), lives)
             headroom = max(0, budget - peak)
@@ -161,14 +162,12 @@ class _GraphCompile:
                        or not isinstance(example_inputs[k], torch.Tensor) else example_inputs[k]
                        for k, n in enumerate(phs)]
         _refresh_meta(gm, fake_inputs)
+        planned = self.planned[kind] = liveness.analyze(gm)
         if self.ctx.planning:
-            self.planned[kind] = liveness.analyze(gm)
             return _stop_planning
         compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
-        planned = liveness.analyze(gm)
-        self.planned[kind] = planned
 
         def run_graph(args):
             collectives.count(sched)
@@ -193,12 +192,6 @@ def _stop_planning(args):
 
 _stop_planning._boxed_call = True
 JOBS: list = []  # graphs compiled under dist_context.planning(), for zcompile.plan to read
-
-
-def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
 
 
 class ZCompileError(RuntimeError):

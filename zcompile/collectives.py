@@ -64,6 +64,23 @@ def waits_of(node: fx.Node) -> list[fx.Node]:
     return waits
 
 
+def wait_of(node: fx.Node) -> fx.Node:
+    """The single wait_tensor of a (non-coalesced) collective."""
+    (wait,) = node.users
+    assert wait.target is c10d.wait_tensor.default, wait
+    return wait
+
+
+def replace_gather(graph: fx.Graph, ag: fx.Node, value: fx.Node) -> None:
+    """Let `value` stand for what all-gather `ag` produced; erase `ag`, its wait and its output buffer."""
+    wait = wait_of(ag)
+    wait.replace_all_uses_with(value)
+    graph.erase_node(wait)
+    buf = ag.kwargs["out"]
+    graph.erase_node(ag)
+    graph.erase_node(buf)
+
+
 def limit_in_flight(graph: fx.Graph, ops: tuple[str, ...]) -> None:
     """Wait for each collective of `ops` right before the next one is issued (one in flight), so its input buffer
     is released as the graph goes instead of at the end."""

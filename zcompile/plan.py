@@ -139,7 +139,7 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     zps = list(job.params.values())
     P = sum(zp.numel for zp in zps)
     state = planner.model_state(zps)
-    graphs = {kind: gm for kind, gm in job.final.items()}
+    graphs = dict(job.final)
     lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
     comm, counts, cross = {}, {}, 0
     for kind, gm in graphs.items():
@@ -153,10 +153,9 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     if refresh:
         comm["optimizer_step"] = {"all_gather": refresh}
         cross += refresh if job.topology.nodes > 1 else 0
-    persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
     return Plan(
         model=name, num_params=P, world=world, nodes=nodes, stage=cfg.stage, state=state,
-        formula_bytes=report.expected_bytes(cfg.stage, P, world, persistent),
+        formula_bytes=report.expected_bytes(cfg.stage, P, world, state.persistent_params),
         paper_formula_bytes=paper_bytes(cfg.stage, P, world),
         graph_peaks={k: {"inputs": v.input_bytes, "transient": v.peak_bytes, "peak_node": v.peak_node}
                      for k, v in lives.items()},

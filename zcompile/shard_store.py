@@ -151,9 +151,8 @@ def gather_full(zps: list[ShardedParam]) -> None:
         send = torch.cat([zp.local_slice() for zp in items])
         recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
         all_gather_flat(recv, send, group)
-        collectives.TRAFFIC["all_gather"] += recv.numel() * recv.element_size()
-        if items[0].cross_node:
-            collectives.CROSS_NODE["all_gather"] += recv.numel() * recv.element_size()
+        collectives.count([{"op": "all_gather", "bytes": recv.numel() * recv.element_size(),
+                            "cross_node": items[0].cross_node}])
         per_rank = recv.view(items[0].world, -1)
         offset = 0
         for zp in items:

@@ -57,9 +57,7 @@ def quantize_ref(x: torch.Tensor, block: int, qmax: int) -> tuple[torch.Tensor, 
 
 
 def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    n = q.numel()
-    qb = torch.nn.functional.pad(q.float(), (0, _num_blocks(n, block) * block - n)).view(-1, block)
-    return (qb * scale.view(-1, 1)).view(-1)[:n].to(dtype)
+    return (_blocks(q, block) * scale.view(-1, 1)).view(-1)[: q.numel()].to(dtype)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

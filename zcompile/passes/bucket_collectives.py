@@ -5,8 +5,8 @@ of the members' concatenated shards, issued where the bucket's first member was 
 member's first use; each member is then copied out of the rank-major result ([rank][member][shard]) at once, so the
 flat buffer dies right away (as FSDP2's copy-out). Reduce-scatters are merged into one flat `reduce_scatter_tensor` over
 the members' rank-major concatenation (all-reduces at stages 0/1 into one `all_reduce_coalesced`), issued once
-the bucket's last gradient exists; their waits go just before the graph's output, so the backward keeps computing
-while the bucket is reduced. One collective per bucket instead of one per parameter: fewer launches and
+the bucket's last gradient exists and waited on before the next bucket is issued (collectives.limit_in_flight), so
+the backward keeps computing while one bucket is reduced. One collective per bucket instead of one per parameter: fewer launches and
 fewer small messages. The dump names every bucket's members.
 """
 from __future__ import annotations
@@ -25,12 +25,6 @@ c10d = torch.ops._c10d_functional
 
 def _single(node: fx.Node, op: str) -> bool:
     return node.meta.get("zc_comm", {}).get("op") == op and node.target in collectives.COLLECTIVE_OPS
-
-
-def _wait_of(node: fx.Node) -> fx.Node:
-    (wait,) = node.users
-    assert wait.target is c10d.wait_tensor.default
-    return wait
 
 
 def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
@@ -53,10 +47,8 @@ def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
 
 def _annotate(node: fx.Node, op: str, members: list[fx.Node], why: str) -> None:
     first = members[0].meta["zc_comm"]
-    total = sum(m.meta["zc_comm"]["bytes"] for m in members)
-    numel = sum(m.meta["zc_comm"]["numel"] for m in members)
-    node.meta["zc_comm"] = {"op": op, "bytes": total, "group": first["group"], "why": why, "numel": numel,
-                            "dtype": first.get("dtype")}
+    collectives._annotate(node, op, sum(m.meta["zc_comm"]["bytes"] for m in members), first["group"], why,
+                          sum(m.meta["zc_comm"]["numel"] for m in members), first.get("dtype"))
 
 
 def _members_text(members: list[fx.Node]) -> str:
@@ -72,7 +64,7 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
     shard_sizes = [m.meta["zc_comm"]["numel"] // world for m in members]
     total = sum(shard_sizes)
     order = {n: k for k, n in enumerate(graph.nodes)}
-    earliest_wait = min((_wait_of(m) for m in members), key=order.get)
+    earliest_wait = min((collectives.wait_of(m) for m in members), key=order.get)
     with graph.inserting_before(first):
         flat = graph.call_function(aten.cat.default, (srcs,))
         buf = graph.call_function(aten.new_empty.default, (flat, [world * total]))
@@ -91,12 +83,7 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
             fulls.append(graph.call_function(aten.view.default, (copy, [world * size])))
         offset += size
     for m, full in zip(members, fulls):
-        old_wait = _wait_of(m)
-        old_wait.replace_all_uses_with(full)
-        graph.erase_node(old_wait)
-        old_buf = m.kwargs["out"]
-        graph.erase_node(m)
-        graph.erase_node(old_buf)
+        collectives.replace_gather(graph, m, full)
 
 
 def _merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket_id: int, op: str) -> None:
@@ -125,7 +112,7 @@ def _merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket_id: int, o
     wait.meta["zc_note"] = f"as late as possible: wait for grad bucket {bucket_id}"
     offset = 0
     for m, s in zip(members, shard_sizes):
-        old_wait = _wait_of(m)
+        old_wait = collectives.wait_of(m)
         with graph.inserting_before(out):
             shard = graph.call_function(aten.slice.Tensor, (wait, 0, offset, offset + s))
         offset += s
@@ -138,7 +125,7 @@ def _rewire_waits(graph: fx.Graph, members: list[fx.Node], coalesced: fx.Node, p
     """Replace each member collective and its wait by a wait on the member's output of `coalesced`, inserted
     before `place(old_wait)`."""
     for j, m in enumerate(members):
-        wait = _wait_of(m)
+        wait = collectives.wait_of(m)
         with graph.inserting_before(place(wait)):
             item = graph.call_function(operator.getitem, (coalesced, j))
             new_wait = graph.call_function(c10d.wait_tensor.default, (item,))

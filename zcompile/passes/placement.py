@@ -4,6 +4,13 @@ from __future__ import annotations
 import torch.fx as fx
 
 
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` (nodes and their meta) to transform while keeping the original."""
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
 def hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> None:
     """Move `node` (and inputs of it that are pure functions of placeholders) before `before`."""
     order = {n: k for k, n in enumerate(graph.nodes)}

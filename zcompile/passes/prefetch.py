@@ -8,23 +8,14 @@ and optimizer state) fits, and says so in the dump.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from zcompile import liveness, planner
+from zcompile import collectives, liveness, planner
 from zcompile.passes import placement
-
-c10d = torch.ops._c10d_functional
 
 
 def _gathers(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.meta.get("zc_comm", {}).get("op") == "all_gather"]
-
-
-def _wait(gather: fx.Node) -> fx.Node:
-    (wait,) = gather.users
-    assert wait.target is c10d.wait_tensor.default, wait
-    return wait
 
 
 def _apply(gm: fx.GraphModule, distance: int) -> None:
@@ -32,7 +23,7 @@ def _apply(gm: fx.GraphModule, distance: int) -> None:
     gathers = _gathers(graph)
     start = next(n for n in graph.nodes if n.op != "placeholder")
     for k, g in enumerate(gathers):
-        target = start if k < distance else _wait(gathers[k - distance])
+        target = start if k < distance else collectives.wait_of(gathers[k - distance])
         placement.hoist(graph, g, target)
         why = g.meta["zc_comm"]["why"]
         g.meta["zc_comm"] = dict(g.meta["zc_comm"], why=f"{why} [prefetched {distance} gather(s) ahead]")
@@ -46,7 +37,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     state = planner.model_state(list(pctx.params.values()))
     original = gm.graph
     while True:
-        gm.graph = _copy(original)
+        gm.graph = placement.copy_graph(original)
         _apply(gm, distance)
         live = liveness.analyze(gm)
         peak = planner.step_peak(state, {pctx.kind: live})
@@ -59,10 +50,3 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         note += f" (budget {liveness.fmt(budget)}{'' if peak <= budget else ': OVER BUDGET even without prefetch'})"
     gm.meta.setdefault("zc_notes", []).append(f"prefetch: {note}")
     return gm
-
-
-def _copy(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    out = new.graph_copy(graph, {})
-    new.output(out)
-    return new

@@ -30,7 +30,7 @@ def _quantized_gather(graph: fx.Graph, ag: fx.Node, block: int) -> None:
     padded = -(-s // block) * block
     nb = padded // block
     row = padded + 4 * nb
-    old_wait = collectives.waits_of(ag)[0]
+    old_wait = collectives.wait_of(ag)
     with graph.inserting_before(ag):
         flat = src if padded == s else graph.call_function(aten.constant_pad_nd.default, (src, [0, padded - s], 0.0))
         qs = graph.call_function(zc.quantize_int8.default, (flat, block))
@@ -59,11 +59,7 @@ def _quantized_gather(graph: fx.Graph, ag: fx.Node, block: int) -> None:
             full = graph.call_function(aten.clone.default, (full,), {"memory_format": torch.contiguous_format})
             full = graph.call_function(aten.view.default, (full, [world * s]))
     full.meta["zc_note"] = "qwZ: dequantized gathered parameter"
-    old_wait.replace_all_uses_with(full)
-    graph.erase_node(old_wait)
-    old_buf = ag.kwargs["out"]
-    graph.erase_node(ag)
-    graph.erase_node(old_buf)
+    collectives.replace_gather(graph, ag, full)
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
