@@ -31,6 +31,7 @@ from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ["ddp", "fsdp2", "fsdp2_compile", "deepspeed_z3", "zcompile_z1", "zcompile_z2", "zcompile_z3"]
 SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_no_prefetch"]  # --systems all adds these
+ZEROPP = ["zcompile_z3_zeropp"]  # and this (bench/zeropp.py compares convergence and cross-node bytes)
 LR = 1e-3
 
 
@@ -193,12 +194,20 @@ def _zcompile(stage, **extra):
     return setup
 
 
+def setup_zeropp(model, world, device, args):
+    """qwZ + hpZ + qgZ, the world split into two simulated nodes (hpZ is a no-op with one rank per node)."""
+    g = max(1, world // 2)
+    return _zcompile(3, quantize_weights={}, quantize_gradients={}, hpz_partition_size=g,
+                     ranks_per_node=g)(model, world, device, args)
+
+
 SETUP = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_compile": setup_fsdp2_compile,
          "deepspeed_z3": setup_deepspeed_z3, "zcompile_z1": _zcompile(1), "zcompile_z2": _zcompile(2),
          "zcompile_z3": _zcompile(3),
          # the scheduling passes switched off, for their before/after
          "zcompile_z3_unbucketed": _zcompile(3, bucket_mb=0, prefetch=0),
-         "zcompile_z3_no_prefetch": _zcompile(3, prefetch=0)}
+         "zcompile_z3_no_prefetch": _zcompile(3, prefetch=0),
+         "zcompile_z3_zeropp": setup_zeropp}
 
 
 def worker(rank: int, world: int, system: str, args) -> dict:
@@ -311,7 +320,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, or 'all' (adds the zcompile "
-                    "stage-3 variants without bucketing / prefetch)")
+                    "stage-3 variants without bucketing / prefetch, and with ZeRO++ on two simulated nodes)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--merge", action="store_true", help="replace only these systems' rows in an existing result")
@@ -319,7 +328,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     tag = f"{args.model}-{args.size}-{args.device}-w{args.world}"
     rows = []
-    systems = SYSTEMS + SCHEDULING if args.systems == "all" else args.systems.split(",")
+    systems = SYSTEMS + SCHEDULING + ZEROPP if args.systems == "all" else args.systems.split(",")
     for system in systems:
         t0 = time.time()
         rows.append(run_system(system, args))

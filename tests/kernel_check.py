@@ -20,7 +20,7 @@ for n, block in [(4096, 2048), (5000, 2048), (1000, 96), (7, 4), (64, 64)]:
         q, s = ops.quantize_int8(x, block)
         rq, rs = qz.quantize_ref(x, block, 127)
         assert torch.equal(q, rq) and torch.equal(s, rs), ("int8", n, block, dtype)
-        for out in (torch.float32, torch.bfloat16):
+        for out in (torch.float32, torch.bfloat16, torch.float16):
             assert torch.equal(ops.dequantize_int8(q, s, block, out), qz.dequantize_ref(rq, rs, block, out)), \
                 ("deq8", n, block, dtype, out)
         p, s4 = ops.quantize_int4(x, block)

@@ -46,6 +46,15 @@ def global_batch(step: int, world: int, micro: int = MICRO, seq: int = SEQ) -> t
     return torch.randint(0, VOCAB, (world * micro, seq + 1), generator=g)
 
 
+def pattern_batch(step: int, world: int, micro: int = MICRO, seq: int = SEQ) -> torch.Tensor:
+    """Learnable data: arithmetic sequences (start + stride * t) mod VOCAB; the loss falls far below ln(VOCAB), so
+    a broken gradient shows as a loss that does not."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, VOCAB, (world * micro, 1), generator=g)
+    stride = torch.randint(1, 8, (world * micro, 1), generator=g)
+    return (start + stride * torch.arange(seq + 1)) % VOCAB
+
+
 def rank_slice(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return x.chunk(world)[rank]
 
@@ -71,7 +80,8 @@ def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | N
 
 
 def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int = 1, clip: float | None = None,
-          batch_sizes: list[int] | None = None, model=None, opt=None, start: int = 0, reports: list | None = None):
+          batch_sizes: list[int] | None = None, model=None, opt=None, start: int = 0, reports: list | None = None,
+          data=global_batch):
     """The same loop through torch.compile(backend="zero"); returns (model, optimizer, losses).
 
     `reports` collects the memory report of each step, taken after the step and before zero_grad, when parameters,
@@ -86,7 +96,7 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int
     for step in range(start, start + steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
         for a in range(accum):
-            x = rank_slice(global_batch(step * accum + a, world, micro), rank, world).to(device)
+            x = rank_slice(data(step * accum + a, world, micro), rank, world).to(device)
             loss = loss_of(model, name, x)
             (loss / accum).backward()
             losses.append(loss.item())
@@ -222,9 +232,23 @@ def planned_vs_measured(rank: int, world: int, name: str, config: dict, steps: i
     return list(best.values())
 
 
-def losses_and_traffic(rank: int, world: int, name: str, config: dict, steps: int) -> dict:
+def losses_and_traffic(rank: int, world: int, name: str, config: dict, steps: int, data: str = "random") -> dict:
     """Train; return the losses and the collective bytes of the last step by op."""
-    model, opt, losses = train(rank, world, name, config, steps - 1)
+    data = pattern_batch if data == "pattern" else global_batch
+    model, opt, losses = train(rank, world, name, config, steps - 1, data=data)
     zcompile.reset_traffic()
-    _, _, last = train(rank, world, name, config, 1, model=model, opt=opt, start=steps - 1)
+    _, _, last = train(rank, world, name, config, 1, model=model, opt=opt, start=steps - 1, data=data)
     return {"losses": losses + last, "traffic": zcompile.traffic(), "cross_node": zcompile.traffic(cross_node=True)}
+
+
+def gradient_shards(rank: int, world: int, name: str, config: dict, dtype: str | None = None) -> dict:
+    """One forward/backward; this rank's reduced gradient shard of every parameter (stages 2/3), by name.
+    `dtype` ("fp16", "bf16"): the model's parameters are stored in it (not mixed precision)."""
+    torch._dynamo.reset()
+    device = zcompile.dist_context.DistContext.current().device
+    model = build_model(name).to(device)
+    if dtype is not None:
+        model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
+    model = torch.compile(model, backend="zero", options={"config": config})
+    loss_of(model, name, rank_slice(global_batch(0, world), rank, world).to(device)).backward()
+    return {k: p._zc.shard.grad.clone() for k, p in model.named_parameters()}

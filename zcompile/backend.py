@@ -70,9 +70,15 @@ def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
                 else:
                     ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=pctx.dist.device)
                 pctx.own_placeholders.add(ph.name)
-        side = [n for n in phs if n.name.startswith("zc_full_param_")]
-        for ph, zp in zip(side, pctx.side_inputs):
-            ph.meta["val"] = full_buffer(zp)[: zp.numel].view(zp.shape)
+        for ph in phs:
+            side = ph.meta.get("zc_side")
+            if side is None:
+                continue
+            zp = side.zp
+            if side.kind == "full":
+                ph.meta["val"] = full_buffer(zp)[: zp.numel].view(zp.shape)
+            else:
+                ph.meta["val"] = torch.empty(zp.secondary_numel, dtype=zp.secondary_dtype, device=pctx.dist.device)
             pctx.own_placeholders.add(ph.name)
 
 
@@ -85,14 +91,14 @@ class _GraphCompile:
         self.graph_id = next(_graph_ids)
         self.topology = Topology.resolve(ctx.world, cfg.ranks_per_node, cfg.source)
         for zp in params.values():
-            zp.cross_node = self.topology.crosses_nodes(range(ctx.world))
+            zp.cross_fraction = self.topology.cross_fraction(range(ctx.world))
         self.dump = GraphDumper(cfg.dump_dir, ctx.rank, self.graph_id)
         self.final: dict[str, fx.GraphModule] = {}
         self.planned: dict[str, liveness.Liveness] = {}  # liveness of each final graph, as compiled
         self.notes: list[str] = []  # planner decisions, shown at the top of every dump of this graph
 
     def pctx(self, kind: str) -> PassContext:
-        return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args)
+        return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args, self.topology)
 
     def dumper(self, kind: str):
         return lambda name, gm: self.dump(kind, name, gm)
@@ -173,7 +179,7 @@ class _GraphCompile:
             collectives.count(sched)
             if side:
                 args = list(args)
-                args.extend(zp.full_view() for zp in side)
+                args.extend(s.value() for s in side)
             if memory_trace.RUNS is not None:
                 return memory_trace.run_measured(compiled, args, self.graph_id, kind, planned)
             return compiled(args)

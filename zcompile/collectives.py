@@ -21,22 +21,34 @@ COLLECTIVE_OPS = {
     c10d.all_gather_into_tensor_out.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all",
 }
 
 
 def _annotate(node: fx.Node, op: str, nbytes: int, group: str, why: str, numel: int,
-              dtype: torch.dtype | None = None) -> None:
+              dtype: torch.dtype | None = None, ranks: tuple[int, ...] | None = None) -> None:
+    """`bytes`: what one rank's side of the collective holds (all-gather output, reduce-scatter / all-to-all input).
+    `ranks`: the group's global ranks, when it is not the whole world (for cross-node accounting)."""
     node.meta["zc_comm"] = {"op": op, "bytes": int(nbytes), "group": group, "why": why, "numel": int(numel),
-                            "dtype": dtype}
+                            "dtype": dtype, "ranks": ranks}
 
 
 def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, world: int, group: str,
-               why: str) -> fx.Node:
+               why: str, ranks: tuple[int, ...] | None = None) -> fx.Node:
     """All-gather a flat [numel] shard into a flat [world*numel] tensor; returns the wait node."""
     out = graph.call_function(aten.new_empty.default, (shard, [world * numel]))
     ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (shard, world, group), {"out": out})
-    _annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why, numel * world, dtype)
+    _annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why, numel * world, dtype, ranks)
     return graph.call_function(c10d.wait_tensor.default, (ag,))
+
+
+def all_to_all(graph: fx.Graph, rows: fx.Node, numel: int, dtype: torch.dtype, group, why: str) -> fx.Node:
+    """Equal-split all-to-all of a flat [numel] tensor over `group` (a zcompile.groups.Group): row j goes to group
+    rank j, and row j of the result came from group rank j. Returns the wait node."""
+    split = [numel // group.size] * group.size
+    a2a = graph.call_function(c10d.all_to_all_single.default, (rows, split, split, group.name))
+    _annotate(a2a, "all_to_all", numel * dtype.itemsize, group.name, why, numel, dtype, group.ranks)
+    return graph.call_function(c10d.wait_tensor.default, (a2a,))
 
 
 def reduce_scatter(graph: fx.Graph, flat: fx.Node, numel: int, dtype: torch.dtype, world: int, group: str,
@@ -101,16 +113,19 @@ def schedule(gm: fx.GraphModule) -> list[dict]:
     return [dict(n.meta["zc_comm"], node=n.name) for n in gm.graph.nodes if "zc_comm" in n.meta]
 
 
-def mark_cross_node(gm: fx.GraphModule, topology, group_ranks) -> None:
-    """Record on every collective whether its group spans more than one node."""
-    cross = topology.crosses_nodes(group_ranks)
+def mark_cross_node(gm: fx.GraphModule, topology, world_ranks) -> None:
+    """Record on every collective whether its group spans nodes, and its bytes' share that crosses them
+    (Topology.cross_fraction)."""
     for n in gm.graph.nodes:
-        if "zc_comm" in n.meta:
-            n.meta["zc_comm"]["cross_node"] = cross
+        c = n.meta.get("zc_comm")
+        if c is not None:
+            fraction = topology.cross_fraction(c.get("ranks") or world_ranks)
+            c["cross_node"] = fraction > 0
+            c["cross_bytes"] = round(c["bytes"] * fraction)
 
 
 # Bytes of every collective this process issued (compiled graphs and optimizer-step refreshes), by op; and the part
-# of them whose group spans nodes.
+# of them that crosses node boundaries.
 TRAFFIC: collections.Counter = collections.Counter()
 CROSS_NODE: collections.Counter = collections.Counter()
 
@@ -118,13 +133,14 @@ CROSS_NODE: collections.Counter = collections.Counter()
 def count(sched: list[dict]) -> None:
     for c in sched:
         TRAFFIC[c["op"]] += c["bytes"]
-        if c.get("cross_node"):
-            CROSS_NODE[c["op"]] += c["bytes"]
+        if c.get("cross_bytes"):
+            CROSS_NODE[c["op"]] += c["cross_bytes"]
 
 
 def traffic(cross_node: bool = False) -> dict[str, int]:
-    """Collective bytes issued by this process since the last reset_traffic(), by op (only those whose group spans
-    nodes with cross_node=True; see the `ranks_per_node` config key)."""
+    """Collective bytes issued by this process since the last reset_traffic(), by op. With cross_node=True, this
+    rank's share of the bytes that cross node boundaries (see Topology.cross_fraction and `ranks_per_node`): for
+    plain ZeRO-3 over K nodes of G ranks, (K-1)/(K*G) of all bytes."""
     return dict(CROSS_NODE if cross_node else TRAFFIC)
 
 

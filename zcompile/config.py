@@ -36,6 +36,12 @@ class QuantizeWeights:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantizeGradients:
+    bits: int = 4
+    block: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     stage: int = 3
     backend: str = "inductor"
@@ -49,6 +55,8 @@ class Config:
     memory_budget: str | float | None = None
     persist_threshold: str | int = 0
     quantize_weights: QuantizeWeights | None = None  # ZeRO++ qwZ
+    quantize_gradients: QuantizeGradients | None = None  # ZeRO++ qgZ
+    hpz_partition_size: int = 1  # ZeRO++ hpZ: ranks a secondary parameter copy is partitioned over (1: off)
     ranks_per_node: int | None = None
     source: str = "<defaults>"
 
@@ -65,8 +73,8 @@ class Config:
         """The pass pipeline: the YAML's, or the default for the stage."""
         if self.pipeline is not None:
             return self.pipeline
-        return ("mixed_precision", "tag_param_recompute", "shard_params", "quantize_weights", "reduce_grads",
-                "bucket_collectives", "prefetch")
+        return ("mixed_precision", "tag_param_recompute", "shard_params", "secondary_partition", "quantize_weights",
+                "reduce_grads", "bucket_collectives", "quantize_gradients", "prefetch")
 
     @property
     def dump_dir(self) -> str | None:
@@ -93,6 +101,12 @@ SCHEMA: dict[str, Any] = {
         "bits": ((int,), "qwZ: bits per weight in forward all-gathers (8)"),
         "block": ((int,), "qwZ: elements per quantization block, each with its own fp32 scale"),
     },
+    "quantize_gradients": {
+        "bits": ((int,), "qgZ: bits per gradient value in the hierarchical all-to-all reduction (4)"),
+        "block": ((int,), "qgZ: elements per quantization block (even), each with its own fp32 scale"),
+    },
+    "hpz_partition_size": ((int,), "hpZ: backward re-gathers from a secondary copy partitioned over this many "
+                                   "consecutive ranks (ideally ranks_per_node); 1: off"),
     "ranks_per_node": ((int, type(None)),
                        "ranks per node, for intra/cross-node accounting (default: torchrun's LOCAL_WORLD_SIZE)"),
     "persist_threshold": ((str, int),
@@ -159,6 +173,22 @@ def _dtype(value: str, key: str, where: str) -> torch.dtype:
     return DTYPES[value]
 
 
+def _quantization(raw: dict, key: str, cls, what: str, multiple: int, where: str):
+    """A quantization section ({bits, block}) as `cls`, or None when absent. int4 blocks must be even (two values
+    per byte)."""
+    section = raw.get(key)
+    if section is None:
+        return None
+    default = cls()
+    q = cls(section.get("bits", default.bits), section.get("block", default.block))
+    if q.bits != default.bits:
+        raise ConfigError(f"{where}: key '{key}.bits' must be {default.bits} ({what}), got {q.bits}")
+    if q.block < 1 or q.block % multiple:
+        even = " even" if multiple == 2 else ""
+        raise ConfigError(f"{where}: key '{key}.block' must be a positive{even} number of elements, got {q.block}")
+    return q
+
+
 def from_dict(raw: dict, where: str = "<options>") -> Config:
     """Validate a raw mapping (parsed YAML) and build a Config."""
     from zcompile.passes import check_pipeline  # local: passes import config
@@ -194,19 +224,23 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     if persist and stage != 3:
         raise ConfigError(f"{where}: key 'persist_threshold' applies to stage 3 only (stage {stage} keeps every "
                           "parameter whole or steps them without gathers)")
-    qw = raw.get("quantize_weights")
-    if qw is not None:
-        qw = QuantizeWeights(qw.get("bits", 8), qw.get("block", 2048))
-        if qw.bits != 8:
-            raise ConfigError(f"{where}: key 'quantize_weights.bits' must be 8 (int8 weights, ZeRO++ qwZ), "
-                              f"got {qw.bits}")
-        if qw.block < 1:
-            raise ConfigError(f"{where}: key 'quantize_weights.block' must be positive, got {qw.block}")
-        if stage != 3:
-            raise ConfigError(f"{where}: key 'quantize_weights' needs stage 3 (only stage 3 gathers parameters)")
-        if raw.get("pipeline") is not None and "quantize_weights" not in raw["pipeline"]:
-            raise ConfigError(f"{where}: key 'quantize_weights' is set but the 'pipeline' lacks the "
-                              "quantize_weights pass")
+    qw = _quantization(raw, "quantize_weights", QuantizeWeights, "int8 weights, ZeRO++ qwZ", 1, where)
+    if qw is not None and stage != 3:
+        raise ConfigError(f"{where}: key 'quantize_weights' needs stage 3 (only stage 3 gathers parameters)")
+    qg = _quantization(raw, "quantize_gradients", QuantizeGradients, "int4 gradients, ZeRO++ qgZ", 2, where)
+    if qg is not None and stage < 2:
+        raise ConfigError(f"{where}: key 'quantize_gradients' needs stage 2 or 3 (it replaces the gradient "
+                          f"reduce-scatter; stage {stage} all-reduces)")
+    hpz = raw.get("hpz_partition_size", 1)
+    if hpz < 1:
+        raise ConfigError(f"{where}: key 'hpz_partition_size' must be >= 1, got {hpz}")
+    if hpz > 1 and stage != 3:
+        raise ConfigError(f"{where}: key 'hpz_partition_size' needs stage 3 (only stage 3 re-gathers parameters)")
+    for key, pass_name, on in (("quantize_weights", "quantize_weights", qw is not None),
+                               ("quantize_gradients", "quantize_gradients", qg is not None),
+                               ("hpz_partition_size", "secondary_partition", hpz > 1)):
+        if on and raw.get("pipeline") is not None and pass_name not in raw["pipeline"]:
+            raise ConfigError(f"{where}: key '{key}' is set but the 'pipeline' lacks the {pass_name} pass")
     rpn = raw.get("ranks_per_node")
     if rpn is not None and rpn < 1:
         raise ConfigError(f"{where}: key 'ranks_per_node' must be positive, got {rpn}")
@@ -219,7 +253,7 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                  dump=raw.get("dump"), pipeline=pipeline, schedule_check=raw.get("schedule_check", True),
                  collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
                  memory_budget=raw.get("memory_budget"), persist_threshold=persist, quantize_weights=qw,
-                 ranks_per_node=rpn, source=where)
+                 quantize_gradients=qg, hpz_partition_size=hpz, ranks_per_node=rpn, source=where)
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:

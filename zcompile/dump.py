@@ -25,7 +25,8 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _span(c: dict) -> str:
-    return {True: " cross-node", False: " intra-node"}.get(c.get("cross_node"), "")
+    ranks = f" ranks={list(c['ranks'])}" if c.get("ranks") else ""
+    return ranks + {True: " cross-node", False: " intra-node"}.get(c.get("cross_node"), "")
 
 
 def annotated_code(gm: fx.GraphModule) -> str:
@@ -50,6 +51,13 @@ def schedule_text(kind: str, gm: fx.GraphModule) -> str:
     live = liveness.analyze(gm)
     out = [f"== {kind}: {len(sched)} collectives, {_fmt_bytes(total)} ({total} bytes); planned transient peak "
            f"{liveness.fmt(live.peak_bytes)} after {live.peak_node}, inputs {liveness.fmt(live.input_bytes)}"]
+    by_op: dict = {}
+    for c in sched:
+        b, x = by_op.get(c["op"], (0, 0))
+        by_op[c["op"]] = (b + c["bytes"], x + c.get("cross_bytes", 0))
+    if by_op:
+        out.append("   by op: " + "; ".join(f"{op} {_fmt_bytes(b)}, of which crossing nodes {_fmt_bytes(x)}"
+                                              for op, (b, x) in by_op.items()))
     out += [f"  {k:3d} {c['op']:<15} {_fmt_bytes(c['bytes']):>10}  group={c['group']}{_span(c)}  {c['node']}: {c['why']}"
             for k, c in enumerate(sched)]
     return "\n".join(out) + "\n"

@@ -8,6 +8,18 @@ import torch.fx as fx
 from zcompile.config import Config
 from zcompile.dist_context import DistContext
 from zcompile.shard_store import ShardedParam
+from zcompile.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class SideInput:
+    """A tensor the runtime appends to a graph's arguments: a parameter's whole buffer ("full": stage 2 and
+    persistent stage 3) or its hpZ secondary partition ("secondary", written by the forward, read by the backward)."""
+    zp: ShardedParam
+    kind: str
+
+    def value(self):
+        return self.zp.full_view() if self.kind == "full" else self.zp.secondary()
 
 
 @dataclasses.dataclass
@@ -17,8 +29,19 @@ class PassContext:
     kind: str                               # "dynamo", "joint", "forward", "backward" or "inference"
     params: dict[int, ShardedParam]         # graph-argument index -> its sharded parameter
     num_args: int                           # arguments of the dynamo graph
-    side_inputs: list[ShardedParam] = dataclasses.field(default_factory=list)  # full params appended as inputs
+    topology: Topology | None = None        # which ranks share a node
+    side_inputs: list[SideInput] = dataclasses.field(default_factory=list)  # appended to the graph's inputs
     own_placeholders: set[str] = dataclasses.field(default_factory=set)  # placeholders whose values we set
+
+    def add_side_input(self, gm: fx.GraphModule, zp: ShardedParam, kind: str, note: str) -> fx.Node:
+        """A new last placeholder that the runtime fills with SideInput(zp, kind)."""
+        last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+        with gm.graph.inserting_after(last):
+            node = gm.graph.placeholder(f"zc_{kind}_param_{len(self.side_inputs)}")
+        node.meta["zc_note"] = note
+        node.meta["zc_side"] = SideInput(zp, kind)
+        self.side_inputs.append(node.meta["zc_side"])
+        return node
 
     def param_placeholders(self, gm: fx.GraphModule) -> dict[int, fx.Node]:
         """Placeholders that carry parameters in this graph, by argument index.

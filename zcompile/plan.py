@@ -49,7 +49,8 @@ class Plan:
     comm_bytes: dict            # kind -> {op: bytes}; "optimizer_step" for stage 1/2 parameter refresh
     collectives: dict           # kind -> number of collectives
     budget: int | None
-    cross_node_bytes: int = 0   # of comm, the bytes of collectives whose group spans nodes
+    cross_node_bytes: int = 0   # of comm, this rank's share of the bytes crossing nodes (Topology.cross_fraction)
+    compute_itemsize: int = 4   # bytes per parameter in the compute dtype (M = compute_itemsize * P)
     graphs: dict = dataclasses.field(repr=False, default_factory=dict)
 
     @property
@@ -58,14 +59,15 @@ class Plan:
 
     def summary(self) -> str:
         f, P = liveness.fmt, self.num_params
-        psi_bytes = 4 * P  # one fp32 copy of the model
+        psi_bytes = self.compute_itemsize * P  # M: one copy of the model in the compute dtype
         lines = [
             f"zcompile plan: {self.model}, {P / 1e9:.2f}B parameters, stage {self.stage}, {self.world} ranks "
             f"({self.nodes} node(s) x {self.world // self.nodes})",
             f"model state per rank: params {f(self.state.param)} + grads {f(self.state.grad)} + optimizer "
-            f"{f(self.state.optim)} = {f(self.state.total)}",
+            f"{f(self.state.optim)}" + (f" + hpZ secondary {f(self.state.secondary)}" if self.state.secondary else "")
+            + f" = {f(self.state.total)}",
             f"  zcompile formula (fp32 params/grads, Adam): {f(self.formula_bytes)}"
-            f" (planned/formula = {self.state.total / self.formula_bytes:.6f})",
+            f" (planned/formula = {(self.state.total - self.state.secondary) / self.formula_bytes:.6f})",
             f"  ZeRO paper formula (fp16 params/grads, K=12): {f(self.paper_formula_bytes)}"
             + (" (same total at stage 3: 16 bytes per parameter / N)" if self.stage == 3 else ""),
         ]
@@ -81,8 +83,12 @@ class Plan:
                 per_op[op] = per_op.get(op, 0) + b
         detail = ", ".join(f"{op} {f(b)}" for op, b in sorted(per_op.items()))
         lines.append(f"communication per step and rank: {f(self.comm_total)} ({detail}) = "
-                     f"{self.comm_total / psi_bytes:.3f} x model size (ZeRO-3: 3x, DDP: 2x); crossing nodes: "
-                     f"{f(self.cross_node_bytes)} = {self.cross_node_bytes / psi_bytes:.3f} x model size")
+                     f"{self.comm_total / psi_bytes:.3f} M (M = model bytes in the compute dtype; ZeRO-3: 3M, DDP: 2M)")
+        if self.nodes > 1:
+            per_node = self.cross_node_bytes * (self.world // self.nodes)
+            lines.append(f"crossing node boundaries: {f(self.cross_node_bytes)} per rank, {f(per_node)} per node = "
+                         f"{per_node / psi_bytes:.3f} M (ZeRO-3: 3M x (K-1)/K = "
+                         f"{3 * (self.nodes - 1) / self.nodes:.3f})")
         return "\n".join(lines)
 
     def schedule_text(self) -> str:
@@ -148,11 +154,11 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         comm[kind] = {}
         for c in sched:
             comm[kind][c["op"]] = comm[kind].get(c["op"], 0) + c["bytes"]
-            cross += c["bytes"] if c.get("cross_node") else 0
+            cross += c.get("cross_bytes", 0)
     refresh = sum(zp.padded_numel * zp.dtype.itemsize for zp in zps if zp.keeps_full and zp.stage >= 1)
     if refresh:
         comm["optimizer_step"] = {"all_gather": refresh}
-        cross += refresh if job.topology.nodes > 1 else 0
+        cross += round(refresh * job.topology.cross_fraction(range(world)))
     return Plan(
         model=name, num_params=P, world=world, nodes=nodes, stage=cfg.stage, state=state,
         formula_bytes=report.expected_bytes(cfg.stage, P, world, state.persistent_params),
@@ -160,7 +166,8 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         graph_peaks={k: {"inputs": v.input_bytes, "transient": v.peak_bytes, "peak_node": v.peak_node}
                      for k, v in lives.items()},
         step_peak=planner.step_peak(state, lives), comm_bytes=comm, collectives=counts,
-        budget=cfg.memory_budget_bytes(torch.device("meta")), cross_node_bytes=cross, graphs=graphs)
+        budget=cfg.memory_budget_bytes(torch.device("meta")), cross_node_bytes=cross,
+        compute_itemsize=cfg.mixed_precision.param_dtype.itemsize, graphs=graphs)
 
 
 def main(argv: list[str] | None = None) -> int:

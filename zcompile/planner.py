@@ -21,16 +21,19 @@ class ModelState:
     grad: int
     optim: int
     persistent_params: int = 0  # parameters (elements) kept whole at stage 3
+    secondary: int = 0          # hpZ secondary partitions (compute dtype), kept between steps
 
     @property
     def total(self) -> int:
-        return self.param + self.grad + self.optim
+        return self.param + self.grad + self.optim + self.secondary
 
 
 def model_state(zps: list[ShardedParam]) -> ModelState:
     """This rank's bytes of parameters, gradients and optimizer state, as `report.memory_report` measures them."""
-    param = grad = optim = persistent = 0
+    param = grad = optim = persistent = secondary = 0
     for zp in zps:
+        if not zp.keeps_full:
+            secondary += zp.secondary_numel * (zp.secondary_dtype.itemsize if zp.secondary_dtype else 0)
         item = zp.dtype.itemsize
         stepped = zp.numel if zp.stage == 0 else zp.shard_numel
         optim += OPTIM_BYTES_PER_ELEMENT * stepped
@@ -42,7 +45,7 @@ def model_state(zps: list[ShardedParam]) -> ModelState:
             persistent += zp.numel if zp.stage == 3 else 0
         else:
             param += item * zp.shard_numel
-    return ModelState(param, grad, optim, persistent)
+    return ModelState(param, grad, optim, persistent, secondary)
 
 
 def graph_peak(live: liveness.Liveness) -> int:

@@ -4,6 +4,8 @@ With fp32 master parameters and Adam's two moments (K=8 bytes/param of optimizer
   stage 0: 4P + 4P + 8P      stage 1: 4P + 4P + 8P/N      stage 2: 4P + (4+8)P/N      stage 3: (4+4+8)P/N = 16P/N
 At stage 3, the Pp parameters the planner keeps whole add their full copy: 4(P-Pp)/N + 4Pp + (4+8)P/N.
 Mixed precision changes compute dtype only: the persistent state is the same fp32 master, gradient and moments.
+hpZ (`hpz_partition_size` G) adds a secondary partition of every gathered parameter, P/G elements in the compute
+dtype; it is reported separately and added to the expected bytes.
 """
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ class MemoryReport:
     grad_bytes: int
     optim_bytes: int
     expected: int
+    secondary_bytes: int = 0  # hpZ secondary partitions
 
     @property
     def total(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optim_bytes
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.secondary_bytes
 
     @property
     def ratio(self) -> float:
@@ -45,7 +48,9 @@ class MemoryReport:
         mib = 1 / 2**20
         return (f"[rank {self.rank}/{self.world}] stage {self.stage}, P={self.num_params:,}: params "
                 f"{self.param_bytes * mib:.2f} MiB + grads {self.grad_bytes * mib:.2f} MiB + optimizer "
-                f"{self.optim_bytes * mib:.2f} MiB = {self.total * mib:.2f} MiB; ZeRO formula "
+                f"{self.optim_bytes * mib:.2f} MiB"
+                + (f" + hpZ secondary {self.secondary_bytes * mib:.2f} MiB" if self.secondary_bytes else "")
+                + f" = {self.total * mib:.2f} MiB; ZeRO formula "
                 f"{self.expected * mib:.2f} MiB (x{self.ratio:.4f})")
 
 
@@ -75,5 +80,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
                   if isinstance(v, torch.Tensor) and v.dim() > 0)
     stage, world = zps[0].stage, zps[0].world
     persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
+    secondary = sum(_nbytes(zp._secondary) for zp in zps)
+    expected_secondary = sum(zp.secondary_numel * zp.secondary_dtype.itemsize for zp in zps if zp.secondary_numel)
     return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b,
-                        expected_bytes(stage, P, world, persistent))
+                        expected_bytes(stage, P, world, persistent) + expected_secondary, secondary)

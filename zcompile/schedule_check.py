@@ -23,10 +23,15 @@ class ScheduleMismatch(RuntimeError):
 
 def fingerprint(graphs: dict[str, fx.GraphModule]) -> tuple[str, str]:
     """(short hash, readable summary) of the collectives of the given graphs, in issue order."""
-    desc = {kind: [(c["op"], c["bytes"], c["group"]) for c in collectives.schedule(gm)] for kind, gm in graphs.items()}
+    desc = {kind: [(c["op"], c["bytes"], _group(c)) for c in collectives.schedule(gm)] for kind, gm in graphs.items()}
     text = json.dumps(desc, sort_keys=True)
     summary = ", ".join(f"{k}: {len(v)} collectives / {sum(b for _, b, _ in v)} bytes" for k, v in desc.items())
     return hashlib.sha256(text.encode()).hexdigest()[:16], summary
+
+
+def _group(c: dict) -> str:
+    """The same on every rank: a subgroup's name differs between the ranks of different subgroups."""
+    return f"subgroup of {len(c['ranks'])}" if c.get("ranks") else c["group"]
 
 
 def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule]) -> None:

@@ -37,7 +37,7 @@ class ShardedParam:
         self.stage, self.rank, self.world = stage, ctx.rank, ctx.world
         self.group_name, self.group = ctx.group_name, ctx.group
         self.planning = ctx.planning
-        self.cross_node = False  # the world spans nodes (set by the backend from the config's topology)
+        self.cross_fraction = 0.0  # of a world all-gather's bytes, the share crossing nodes (set by the backend)
         self.shape = tuple(param.shape)
         self.numel = param.numel()
         self.dtype = param.dtype
@@ -64,6 +64,9 @@ class ShardedParam:
             self.shard._zc_owner = self  # lets checkpoints and clipping find the parameter a shard belongs to
         if stage in (1, 2):
             param.data = self.full_view()
+        self.secondary_numel = 0     # hpZ: elements of this rank's secondary partition (0: none)
+        self.secondary_dtype: torch.dtype | None = None
+        self._secondary: torch.Tensor | None = None
         self.persistent = False      # stage 3 only: kept whole like a stage 2 parameter
         self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
@@ -92,6 +95,19 @@ class ShardedParam:
     def full_view(self) -> torch.Tensor:
         """The whole parameter (stages 0-2 and persistent stage 3), shaped like the original."""
         return self.full[: self.numel].view(self.shape)
+
+    def use_secondary(self, numel: int, dtype: torch.dtype) -> None:
+        """hpZ: keep a secondary partition of `numel` elements of the gathered parameter (set when compiling)."""
+        if self.secondary_numel and (self.secondary_numel, self.secondary_dtype) != (numel, dtype):
+            raise RuntimeError(f"parameter {list(self.shape)}: two graphs ask for different hpZ partitions "
+                               f"({self.secondary_numel} x {self.secondary_dtype} and {numel} x {dtype})")
+        self.secondary_numel, self.secondary_dtype = numel, dtype
+
+    def secondary(self) -> torch.Tensor:
+        """hpZ's secondary partition: written by the forward graph, re-gathered (within a node) by the backward."""
+        if self._secondary is None:
+            self._secondary = torch.empty(self.secondary_numel, dtype=self.secondary_dtype, device=self.shard.device)
+        return self._secondary
 
     def graph_input(self) -> torch.Tensor:
         self.compiled_calls += 1
@@ -151,8 +167,8 @@ def gather_full(zps: list[ShardedParam]) -> None:
         send = torch.cat([zp.local_slice() for zp in items])
         recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
         all_gather_flat(recv, send, group)
-        collectives.count([{"op": "all_gather", "bytes": recv.numel() * recv.element_size(),
-                            "cross_node": items[0].cross_node}])
+        nbytes = recv.numel() * recv.element_size()
+        collectives.count([{"op": "all_gather", "bytes": nbytes, "cross_bytes": round(nbytes * items[0].cross_fraction)}])
         per_rank = recv.view(items[0].world, -1)
         offset = 0
         for zp in items:

@@ -1,7 +1,7 @@
 """Which ranks share a node: K nodes x G ranks per node, rank r on node r // G (torchrun's layout).
 
-Used to account every collective as intra- or cross-node (the bytes ZeRO++ is about) and, later, to build the
-intra-node groups hpZ and qgZ need.
+Used to account every collective as intra- or cross-node (the bytes ZeRO++ is about) and to lay out the
+intra-node groups hpZ and qgZ communicate in (zcompile.groups).
 """
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ class Topology:
 
     def crosses_nodes(self, ranks) -> bool:
         return len({r // self.ranks_per_node for r in ranks}) > 1
+
+    def cross_fraction(self, ranks) -> float:
+        """Of the bytes one member of a collective over `ranks` moves (all-gather output, reduce-scatter or
+        all-to-all input), the share that must cross a node boundary, per member, with a topology-aware algorithm:
+        a node imports or exports (K-1)/K of the data, split over its G members of the group. Summed over a
+        node's ranks this is the per-node volume of the ZeRO++ paper (3M for ZeRO-3, 0.75M with qwZ+hpZ+qgZ),
+        times (K-1)/K."""
+        ranks = list(ranks)
+        k = len({r // self.ranks_per_node for r in ranks})
+        return 0.0 if k <= 1 else (k - 1) / (k * (len(ranks) / k))
 
     @staticmethod
     def resolve(world: int, ranks_per_node: int | None, where: str = "<config>") -> "Topology":

@@ -24,6 +24,17 @@ def _num_blocks(n: int, block: int) -> int:
     return (n + block - 1) // block
 
 
+def fit_blocks(n: int, block: int, even: bool = False) -> tuple[int, int, int]:
+    """Blocks of at most `block` elements that tile n values of one tensor with the least padding: (block size,
+    number of blocks, padded length). A tensor's blocks never hold another tensor's values, so a small-magnitude
+    tensor is not quantized on the scale of a large neighbour; a short shard is one block, not a padded one."""
+    nb = _num_blocks(n, block)
+    size = _num_blocks(n, nb)
+    if even:
+        size += size % 2
+    return size, nb, nb * size
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Triton on CUDA, or on CPU under TRITON_INTERPRET=1 (tests); the torch fallback otherwise."""
     if not triton_quantize.AVAILABLE:

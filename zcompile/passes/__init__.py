@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch.fx as fx
 
-from zcompile.passes import (bucket_collectives, mixed_precision, prefetch, quantize_weights, reduce_grads,
-                             shard_params, tag_param_recompute)
+from zcompile.passes import (bucket_collectives, mixed_precision, prefetch, quantize_gradients, quantize_weights,
+                             reduce_grads, secondary_partition, shard_params, tag_param_recompute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +30,14 @@ REGISTRY: dict[str, PassSpec] = {
     "mixed_precision": PassSpec(mixed_precision.run, "dynamo", frozenset({"compute_dtype"})),
     "tag_param_recompute": PassSpec(tag_param_recompute.run, "joint", frozenset({"param_recompute"})),
     "shard_params": PassSpec(shard_params.run, "split", frozenset({"param_shards"})),
+    "secondary_partition": PassSpec(secondary_partition.run, "split", frozenset({"secondary_partition"}),
+                                    frozenset({"param_shards"})),
     "quantize_weights": PassSpec(quantize_weights.run, "split", frozenset({"quantized_gathers"}),
                                  frozenset({"param_shards"})),
     "reduce_grads": PassSpec(reduce_grads.run, "split", frozenset({"grad_reduction"})),
     "bucket_collectives": PassSpec(bucket_collectives.run, "split", frozenset({"buckets"}),
+                                   frozenset({"grad_reduction"})),
+    "quantize_gradients": PassSpec(quantize_gradients.run, "split", frozenset({"quantized_reductions"}),
                                    frozenset({"grad_reduction"})),
     "prefetch": PassSpec(prefetch.run, "split", frozenset({"prefetch"}), frozenset({"param_shards"})),
 }

@@ -27,14 +27,19 @@ def _single(node: fx.Node, op: str) -> bool:
     return node.meta.get("zc_comm", {}).get("op") == op and node.target in collectives.COLLECTIVE_OPS
 
 
+def _bucket_key(node: fx.Node) -> tuple:
+    comm = node.meta["zc_comm"]
+    return comm.get("dtype"), comm["group"]
+
+
 def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
     buckets: list[list[fx.Node]] = []
     size = cap_bytes
     for n in nodes:
         b = n.meta["zc_comm"]["bytes"]
-        new_dtype = bool(buckets and buckets[-1]) and buckets[-1][-1].meta["zc_comm"].get("dtype") != \
-            n.meta["zc_comm"].get("dtype")  # one flat buffer holds one dtype (qwZ payloads are int8)
-        if (size + b > cap_bytes or new_dtype) and buckets and buckets[-1]:
+        # one flat buffer holds one dtype (qwZ payloads are int8) and goes to one group (hpZ gathers in a node)
+        new_kind = bool(buckets and buckets[-1]) and _bucket_key(buckets[-1][-1]) != _bucket_key(n)
+        if (size + b > cap_bytes or new_kind) and buckets and buckets[-1]:
             buckets.append([])
             size = 0
         if not buckets:
@@ -48,7 +53,7 @@ def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
 def _annotate(node: fx.Node, op: str, members: list[fx.Node], why: str) -> None:
     first = members[0].meta["zc_comm"]
     collectives._annotate(node, op, sum(m.meta["zc_comm"]["bytes"] for m in members), first["group"], why,
-                          sum(m.meta["zc_comm"]["numel"] for m in members), first.get("dtype"))
+                          sum(m.meta["zc_comm"]["numel"] for m in members), first.get("dtype"), first.get("ranks"))
 
 
 def _members_text(members: list[fx.Node]) -> str:
@@ -107,6 +112,7 @@ def _merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket_id: int, o
         flat = graph.call_function(aten.view.default, (cat, [world * sum(shard_sizes)]))
         rs = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
     _annotate(rs, op, members, why)
+    rs.meta["zc_comm"]["members"] = shard_sizes  # per-rank segments, for quantize_gradients' blocks
     with graph.inserting_before(out):
         wait = graph.call_function(c10d.wait_tensor.default, (rs,))
     wait.meta["zc_note"] = f"as late as possible: wait for grad bucket {bucket_id}"

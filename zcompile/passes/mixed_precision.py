@@ -30,7 +30,12 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         if i not in pctx.params and not _is_user_input(ph):
             continue
         users = list(ph.users)
-        with graph.inserting_after(placeholders[-1]):
+        if not users:
+            continue
+        order = {n: k for k, n in enumerate(graph.nodes)}
+        # at the first use, not at the top: shard_params gathers a parameter where its cast is, and every cast at
+        # the top would gather the whole model before the first layer runs
+        with graph.inserting_before(min(users, key=order.get)):
             cast = graph.call_method("to", (ph, dtype))
         cast.meta["zc_note"] = f"mixed_precision: compute in {dtype}"
         for u in users:

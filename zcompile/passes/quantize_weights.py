@@ -1,6 +1,8 @@
 """quantize_weights (ZeRO++ qwZ): forward parameter all-gathers move block-wise int8 instead of the compute dtype.
 
-Each rank quantizes its shard (zero-padded to whole blocks) with zcompile.quantize_int8, appends the fp32 block
+Each parameter is quantized on its own (before bucketing: a block never mixes two parameters' magnitudes), in
+blocks of at most `block` elements sized to tile its shard (kernels.quantize.fit_blocks: a 32-element shard is one
+block of 32, not a block of 2048 mostly padding). Each rank quantizes its shard (zero-padded to whole blocks) with zcompile.quantize_int8, appends the fp32 block
 scales as bytes, and all-gathers that one int8 payload; every rank then splits the [rank][values | scales] rows and
 dequantizes with zcompile.dequantize_int8 into the dtype the gather had (fp32, or bf16 under mixed precision).
 A 4-byte parameter travels as ~1 byte (plus 4 bytes per block). Backward re-gathers stay exact: the gradient is taken
@@ -27,8 +29,7 @@ def _quantized_gather(graph: fx.Graph, ag: fx.Node, block: int) -> None:
     src = ag.args[0]
     dtype = comm["dtype"]
     s = comm["numel"] // world
-    padded = -(-s // block) * block
-    nb = padded // block
+    block, nb, padded = _ops.fit_blocks(s, block)
     row = padded + 4 * nb
     old_wait = collectives.wait_of(ag)
     with graph.inserting_before(ag):
@@ -41,7 +42,7 @@ def _quantized_gather(graph: fx.Graph, ag: fx.Node, block: int) -> None:
         buf = graph.call_function(aten.new_empty.default, (payload, [world * row]))
         new_ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (payload, world, group), {"out": buf})
     collectives._annotate(new_ag, "all_gather", world * row, group,
-                          f"{comm['why']}; qwZ int8, blocks of {block} + fp32 scales", world * row, torch.int8)
+                          f"{comm['why']}; qwZ int8 in {nb} block(s) of {block} + fp32 scales", world * row, torch.int8)
     with graph.inserting_before(old_wait):
         wait = graph.call_function(c10d.wait_tensor.default, (new_ag,))
         rows = graph.call_function(aten.view.default, (wait, [world, row]))

@@ -35,21 +35,18 @@ def _full_from_flat(graph: fx.Graph, flat: fx.Node, zp) -> fx.Node:
     return graph.call_function(aten.view.default, (flat, list(zp.shape)))
 
 
-def _gather(graph: fx.Graph, shard: fx.Node, zp, dtype: torch.dtype, pctx, cast: bool) -> fx.Node:
+def _gather(graph: fx.Graph, shard: fx.Node, i: int, zp, dtype: torch.dtype, pctx, cast: bool) -> fx.Node:
     src = graph.call_function(torch.ops.prims.convert_element_type.default, (shard, dtype)) if cast else shard
     why = (f"{pctx.kind}: gather param {list(zp.shape)} ({dtype}) before first use"
            + ("; re-gather, forward released it" if pctx.kind == "backward" else ""))
     flat = collectives.all_gather(graph, src, zp.shard_numel, dtype, zp.world, zp.group_name, why)
+    flat.args[0].meta["zc_comm"]["param"] = i  # which parameter (secondary_partition pairs forward and backward)
     return _full_from_flat(graph, flat, zp)
 
 
 def _side_input(gm: fx.GraphModule, zp, pctx) -> fx.Node:
-    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    with gm.graph.inserting_after(last):
-        node = gm.graph.placeholder(f"zc_full_param_{len(pctx.side_inputs)}")
-    node.meta["zc_note"] = f"persistent full param {list(zp.shape)} (stage 2 or kept whole by the planner), supplied by the shard store"
-    pctx.side_inputs.append(zp)
-    return node
+    return pctx.add_side_input(gm, zp, "full", f"persistent full param {list(zp.shape)} (stage 2 or kept whole by "
+                               "the planner), supplied by the shard store")
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
@@ -68,18 +65,20 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
             for u in users:
                 u.replace_input_with(ph, full)
             continue
-        first = min(users, key=order.get)
         cast_to = {_cast_dtype(u) for u in users}
         cast_first = len(cast_to) == 1 and None not in cast_to and next(iter(cast_to)).itemsize < zp.dtype.itemsize
+        # gather before the first real use: a cast may sit far above the op that uses its result
+        uses = [c for u in users for c in u.users] if cast_first else users
+        first = min(uses or users, key=lambda n: order.get(n, len(order)))
         with graph.inserting_before(first):
             if cast_first:
                 dtype = next(iter(cast_to))
-                full = _gather(graph, ph, zp, dtype, pctx, cast=True)
+                full = _gather(graph, ph, i, zp, dtype, pctx, cast=True)
                 for u in users:
                     u.replace_all_uses_with(full)
                     graph.erase_node(u)
             else:
-                full = _gather(graph, ph, zp, zp.dtype, pctx, cast=False)
+                full = _gather(graph, ph, i, zp, zp.dtype, pctx, cast=False)
                 for u in users:
                     u.replace_input_with(ph, full)
     return gm
