@@ -103,6 +103,16 @@ def test_qgz_lands_each_reduced_shard_on_its_rank_and_hpz_is_exact():
         assert all(torch.equal(hpz[r][k], exact[r][k]) for k in exact[r])
 
 
+def test_qgz_at_stage_2_without_buckets():
+    """qgZ on per-parameter reduce-scatters (bucket_mb 0) of stage 2: same int4 error bound as bucketed stage 3."""
+    base = {"stage": 2, "backend": "eager", "ranks_per_node": 2, "bucket_mb": 0}
+    exact = run_world(4, workers.gradient_shards, "gpt", base)
+    qgz = run_world(4, workers.gradient_shards, "gpt", dict(base, quantize_gradients={"block": 64}))
+    for r in range(4):
+        num = sum(float((qgz[r][k] - g).norm() ** 2) for k, g in exact[r].items())
+        assert 0 < (num / sum(float(g.norm() ** 2) for g in exact[r].values())) ** 0.5 < 0.25
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_zeropp_trains_like_zero3_and_cuts_cross_node_bytes_to_a_quarter(dtype, tmp_path):
     """qwZ + hpZ + qgZ on 2 nodes x 2 ranks, 30 steps of learnable data: final loss within 2% of ZeRO-3. Cross-node volume per node
