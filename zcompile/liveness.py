@@ -66,8 +66,9 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
 
 def _input_held_until_wait(node: fx.Node) -> bool:
     """Whether the communication library keeps a collective's input alive until its wait: all-gathers do; NCCL's
-    reduce-scatter does; all-to-alls are assumed to (not measured); gloo's reduce-scatter copies its input when issued (measured: planned == measured with this
-    rule, tests/test_planner.py); a functional all-reduce works on its own copy, the input is free at issue."""
+    reduce-scatter does; all-to-alls are assumed to (not measured); gloo's reduce-scatter copies its input when
+    issued (measured: planned == measured with this rule, tests/test_planner.py); a functional all-reduce works on
+    its own copy, the input is free at issue."""
     op = node.meta.get("zc_comm", {}).get("op")
     if op in ("all_gather", "all_to_all"):
         return True

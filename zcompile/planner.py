@@ -32,8 +32,8 @@ def model_state(zps: list[ShardedParam]) -> ModelState:
     """This rank's bytes of parameters, gradients and optimizer state, as `report.memory_report` measures them."""
     param = grad = optim = persistent = secondary = 0
     for zp in zps:
-        if not zp.keeps_full:
-            secondary += zp.secondary_numel * (zp.secondary_dtype.itemsize if zp.secondary_dtype else 0)
+        if zp.secondary_numel and not zp.keeps_full:  # a persistent parameter is never gathered
+            secondary += zp.secondary_numel * zp.secondary_dtype.itemsize
         item = zp.dtype.itemsize
         stepped = zp.numel if zp.stage == 0 else zp.shard_numel
         optim += OPTIM_BYTES_PER_ELEMENT * stepped

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from zcompile import shard_store
+from zcompile import planner, shard_store
 
 
 def expected_bytes(stage: int, P: int, N: int, persistent: int = 0) -> int:
@@ -81,7 +81,5 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
     stage, world = zps[0].stage, zps[0].world
     persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
     secondary = sum(_nbytes(zp._secondary) for zp in zps)
-    expected_secondary = sum(zp.secondary_numel * zp.secondary_dtype.itemsize for zp in zps
-                             if zp.secondary_numel and not zp.keeps_full)  # a persistent param is never gathered
     return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b,
-                        expected_bytes(stage, P, world, persistent) + expected_secondary, secondary)
+                        expected_bytes(stage, P, world, persistent) + planner.model_state(zps).secondary, secondary)

@@ -18,9 +18,6 @@ class Topology:
     def nodes(self) -> int:
         return self.world // self.ranks_per_node
 
-    def crosses_nodes(self, ranks) -> bool:
-        return len({r // self.ranks_per_node for r in ranks}) > 1
-
     def cross_fraction(self, ranks) -> float:
         """Of the bytes one member of a collective over `ranks` moves (all-gather output, reduce-scatter or
         all-to-all input), the share that must cross a node boundary, per member, with a topology-aware algorithm:
@@ -29,7 +26,7 @@ class Topology:
         times (K-1)/K."""
         ranks = list(ranks)
         k = len({r // self.ranks_per_node for r in ranks})
-        return 0.0 if k <= 1 else (k - 1) / (k * (len(ranks) / k))
+        return (k - 1) / len(ranks)  # (K-1)/K of the bytes, over the K*G members
 
     @staticmethod
     def resolve(world: int, ranks_per_node: int | None, where: str = "<config>") -> "Topology":

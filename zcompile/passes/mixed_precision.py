@@ -23,6 +23,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         return gm
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    order = {n: k for k, n in enumerate(graph.nodes)}  # users are original nodes: the casts added keep it valid
     for i, ph in enumerate(placeholders):
         val = ph.meta.get("example_value", ph.meta.get("val"))
         if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == dtype:
@@ -32,7 +33,6 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         users = list(ph.users)
         if not users:
             continue
-        order = {n: k for k, n in enumerate(graph.nodes)}
         # at the first use, not at the top: shard_params gathers a parameter where its cast is, and every cast at
         # the top would gather the whole model before the first layer runs
         with graph.inserting_before(min(users, key=order.get)):
