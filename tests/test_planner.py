@@ -37,7 +37,7 @@ def test_memory_budget_decides_persistence(tmp_path):
     roomy = {"stage": 3, "backend": "eager", "memory_budget": "4GiB", "dump": str(tmp_path / "roomy")}
     res = run_world(2, workers.train_and_report, "gpt", roomy, steps=1)
     assert len(res[0]["persistent"]) == 26 and _forward_gathers(tmp_path / "roomy") == 0
-    tight = dict(roomy, memory_budget="1KiB", dump=str(tmp_path / "tight"))
+    tight = dict(roomy, memory_budget="1KiB", over_budget="warn", dump=str(tmp_path / "tight"))
     res = run_world(2, workers.train_and_report, "gpt", tight, steps=1)
     assert res[0]["persistent"] == [] and _forward_gathers(tmp_path / "tight") > 0
 

@@ -50,7 +50,8 @@ def test_bucketing_and_prefetch_keep_parity(bucket_mb, prefetch, tmp_path):
 
 
 def test_memory_budget_limits_prefetch(tmp_path):
-    config = {"stage": 3, "backend": "eager", "bucket_mb": 0, "prefetch": 8, "memory_budget": 1, "dump": str(tmp_path)}
+    config = {"stage": 3, "backend": "eager", "bucket_mb": 0, "prefetch": 8, "memory_budget": 1,
+              "over_budget": "warn", "dump": str(tmp_path)}
     run_world(2, workers.parity_with_config, "gpt", config, steps=1)
     fw = [f for f in os.listdir(tmp_path / "rank0") if "_forward_" in f and f.endswith("_prefetch.py")][0]
     text = open(tmp_path / "rank0" / fw).read()

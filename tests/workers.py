@@ -27,6 +27,8 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
         return LoopBreakGPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
     if name == "gpt3":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=3, n_head=4, n_embd=64))
+    if name == "wide_mlp":
+        return WideMLP()
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -35,8 +37,24 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     raise ValueError(name)
 
 
+class WideMLP(torch.nn.Module):
+    """A token model whose memory is dominated by two wide linears (2 MiB weights; tiling tests)."""
+
+    def __init__(self, d: int = 256, hidden: int = 2048):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, d)
+        self.up, self.down = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+        self.head = torch.nn.Linear(d, VOCAB)
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        logits = self.head(h)
+        return GPTOutput(logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
 def loss_of(model, name: str, x: torch.Tensor) -> torch.Tensor:
-    if name.startswith("gpt"):
+    if name.startswith("gpt") or name == "wide_mlp":
         return model(x[:, :-1], x[:, 1:]).loss
     return model(input_ids=x, labels=x).loss
 
@@ -81,7 +99,7 @@ def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | N
 
 def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int = 1, clip: float | None = None,
           batch_sizes: list[int] | None = None, model=None, opt=None, start: int = 0, reports: list | None = None,
-          data=global_batch):
+          data=global_batch, optimizer: str = "adamw"):
     """The same loop through torch.compile(backend="zero"); returns (model, optimizer, losses).
 
     `reports` collects the memory report of each step, taken after the step and before zero_grad, when parameters,
@@ -91,7 +109,8 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int
     if model is None:
         torch._dynamo.reset()
         model = torch.compile(build_model(name).to(device), backend="zero", options={"config": config})
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        opt = (zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS, chunk_mb=0.05) if optimizer == "cpu_adam"
+               else torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
     losses = []
     for step in range(start, start + steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
@@ -203,8 +222,9 @@ def eager_step_after_compile(rank: int, world: int, stage: int) -> str:
     return "stepped"
 
 
-def parity_with_config(rank: int, world: int, name: str, config: dict, steps: int = 5) -> dict:
-    model, _, losses = train(rank, world, name, config, steps)
+def parity_with_config(rank: int, world: int, name: str, config: dict, steps: int = 5, accum: int = 1,
+                       optimizer: str = "adamw") -> dict:
+    model, _, losses = train(rank, world, name, config, steps, accum=accum, optimizer=optimizer)
     return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses}
 
 
@@ -252,3 +272,46 @@ def gradient_shards(rank: int, world: int, name: str, config: dict, dtype: str |
     model = torch.compile(model, backend="zero", options={"config": config})
     loss_of(model, name, rank_slice(global_batch(0, world), rank, world).to(device)).backward()
     return {k: p._zc.shard.grad.clone() for k, p in model.named_parameters()}
+
+
+def offload_run(rank: int, world: int, name: str, config: dict, steps: int, accum: int = 1,
+                optimizer: str = "adamw") -> dict:
+    """Train; return the consolidated parameters, the losses, the bytes moved between tiers in the last step, the
+    memory report and whether NVMe files were written with O_DIRECT."""
+    model, opt, losses = train(rank, world, name, config, steps - 1, accum=accum, optimizer=optimizer)
+    zcompile.reset_offload_traffic()
+    _, _, last = train(rank, world, name, config, 1, accum=accum, model=model, opt=opt, start=steps - 1,
+                       optimizer=optimizer)
+    zps = [p._zc for p in model.parameters()]
+    return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses + last,
+            "tiers": zcompile.offload_traffic(), "report": zcompile.memory_report(model, opt),
+            "direct": [zp.nvme.used_direct for zp in zps if zp.nvme is not None][:1]}
+
+
+def corrupt_nvme_then_step(rank: int, world: int, directory: str) -> str:
+    """One step with parameters on NVMe, then flip a byte of a parameter file: the next forward must fail clearly."""
+    config = {"stage": 3, "backend": "eager", "offload": {"optimizer": "cpu", "params": "nvme", "nvme_path": directory}}
+    model, opt, _ = train(rank, world, "gpt", config, 1)
+    zp = next(iter(model.parameters()))._zc
+    path = zp.nvme.file(f"param{zp.key}")
+    with open(path, "r+b") as f:
+        f.seek(4096 + 10)
+        byte = f.read(1)
+        f.seek(4096 + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        train(rank, world, "gpt", config, 1, model=model, opt=opt, start=1)
+    except zcompile.OffloadFileError as e:
+        return f"OffloadFileError: {e}"
+    except Exception as e:  # noqa: BLE001 -- report what came out instead
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def train_measured(rank: int, world: int, name: str, config: dict, steps: int = 3) -> dict:
+    """Train; the last step runs under measure_memory(): parameters, losses and per-graph planned/measured peaks."""
+    model, opt, losses = train(rank, world, name, config, steps - 1)
+    with zcompile.measure_memory() as runs:
+        _, _, last = train(rank, world, name, config, 1, model=model, opt=opt, start=steps - 1)
+    return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses + last,
+            "peaks": {r.kind: (r.planned_peak, r.measured_peak) for r in runs}}

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from zcompile.backend import ZCompileError, zero_backend
+from zcompile.backend import MemoryBudgetError, ZCompileError, zero_backend
 from zcompile.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.collectives import reset_traffic, traffic
 from zcompile.config import Config, ConfigError
+from zcompile.cpu_adam import CPUAdam
+from zcompile.nvme_files import OffloadFileError
+from zcompile.offload_engine import offload_traffic, reset_offload_traffic
 from zcompile.dist_context import init_distributed
 from zcompile.grad_clip import clip_grad_norm_
 from zcompile.memory_trace import measure_memory
@@ -21,7 +24,8 @@ from zcompile.schedule_check import ScheduleMismatch
 
 __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
-           "traffic", "reset_traffic"]
+           "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
+           "reset_offload_traffic"]
 __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):

@@ -21,8 +21,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import _disable_current_modes
 
-from zcompile import (backends, collectives, config as zconfig, liveness, memory_trace, passes, planner, schedule_check,
-                      shard_store, timeline)
+from zcompile import (backends, collectives, config as zconfig, liveness, memory_trace, offload_engine, passes, planner,
+                      schedule_check, shard_store, timeline)
 from zcompile.dist_context import DistContext
 from zcompile.dump import GraphDumper
 from zcompile.pass_context import PassContext
@@ -68,7 +68,8 @@ def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
                 if zp.keeps_full:
                     ph.meta["val"] = full_buffer(zp)[zp.rank * zp.shard_numel:(zp.rank + 1) * zp.shard_numel]
                 else:
-                    ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=pctx.dist.device)
+                    where = pctx.dist.device if zp.param_tier == "device" else "cpu"
+                    ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=where)
                 pctx.own_placeholders.add(ph.name)
         for ph in phs:
             side = ph.meta.get("zc_side")
@@ -96,9 +97,12 @@ class _GraphCompile:
         self.final: dict[str, fx.GraphModule] = {}
         self.planned: dict[str, liveness.Liveness] = {}  # liveness of each final graph, as compiled
         self.notes: list[str] = []  # planner decisions, shown at the top of every dump of this graph
+        self.num_fwd_outputs = 0
+        self.offloaded: dict[str, int] = {}  # saved activations the forward sends to the host, by name
 
     def pctx(self, kind: str) -> PassContext:
-        return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args, self.topology)
+        return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args, self.topology,
+                           num_fwd_outputs=self.num_fwd_outputs, offloaded=self.offloaded)
 
     def dumper(self, kind: str):
         return lambda name, gm: self.dump(kind, name, gm)
@@ -123,14 +127,18 @@ class _GraphCompile:
         """Stage 3: decide which parameters of this graph stay whole (planner.choose_persistent). With a memory
         budget, the headroom is the budget minus the planned step peak with every parameter sharded, measured by
         running the split passes on copies of the graphs."""
-        undecided = [zp for zp in self.params.values() if zp.stage == 3 and not zp.persist_decided]
+        undecided = [zp for zp in self.params.values()
+                     if zp.stage == 3 and not zp.persist_decided and zp.param_tier == "device"]
         if not undecided:
             return
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         headroom = None
         if budget is not None:
+            saved = dict(self.offloaded)
             lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind, trial=True)[0])
                      for kind, gm in graphs.items()}
+            self.offloaded.clear()
+            self.offloaded.update(saved)
             peak = planner.step_peak(planner.model_state(list(self.params.values())), lives)
             headroom = max(0, budget - peak)
         chosen, why = planner.choose_persistent(undecided, self.cfg.persist_threshold_bytes, headroom)
@@ -141,13 +149,39 @@ class _GraphCompile:
         if chosen or budget is not None or self.cfg.persist_threshold_bytes:
             self.notes.append(why)
 
+    def check_budget(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """A plan whose step peak exceeds `memory_budget` fails here (over_budget: error), before anything runs."""
+        budget = self.cfg.memory_budget_bytes(self.ctx.device)
+        if budget is None:
+            return
+        lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
+        state = planner.model_state(list(self.params.values()))
+        peak = planner.step_peak(state, lives)
+        if peak <= budget:
+            return
+        worst = max(lives, key=lambda k: planner.graph_peak(lives[k]))
+        g = lives[worst]
+        msg = (f"{self.cfg.source}: planned step peak {liveness.fmt(peak)} per rank exceeds memory_budget "
+               f"{liveness.fmt(budget)}: gradients {liveness.fmt(state.grad)} + optimizer state "
+               f"{liveness.fmt(state.optim)} + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, saved "
+               f"activations) + transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}. Offload moves "
+               "state off the device: offload.optimizer (cpu/nvme), offload.params (cpu/nvme, stage 3), "
+               "offload.activations (cpu); tiling splits large linears")
+        if self.cfg.over_budget == "warn":
+            for gm in graphs.values():
+                gm.meta.setdefault("zc_notes", []).append(f"OVER BUDGET: {msg}")
+            return
+        raise MemoryBudgetError(msg)
+
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         self.dump("joint", "input", joint)
         joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        self.num_fwd_outputs = num_fwd_outputs
         self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
         bw, self.bw_pctx = self.split_passes(bw, "backward")
+        self.check_budget({"forward": fw, "backward": bw})
         self.dump.schedule({"forward": fw, "backward": bw}, self.cost_model())
         if self.cfg.schedule_check:
             schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw})
@@ -157,6 +191,7 @@ class _GraphCompile:
         if kind == "inference":
             self.plan_persistence({"inference": gm})
             gm, pctx = self.split_passes(gm, kind)
+            self.check_budget({"inference": gm})
             self.dump.schedule({"inference": gm}, self.cost_model())
             if self.cfg.schedule_check:
                 schedule_check.agree(self.ctx, self.graph_id, {"inference": gm})
@@ -165,7 +200,7 @@ class _GraphCompile:
         # AOTAutograd's example inputs carry the real layout of saved activations; ours, the shards and side inputs.
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         fake_inputs = [n.meta["val"] if n.name in pctx.own_placeholders or k >= len(example_inputs)
-                       or not isinstance(example_inputs[k], torch.Tensor) else example_inputs[k]
+                       or not isinstance(example_inputs[k], torch.Tensor) else _on_tier(n, example_inputs[k])
                        for k, n in enumerate(phs)]
         _refresh_meta(gm, fake_inputs)
         planned = self.planned[kind] = liveness.analyze(gm)
@@ -174,9 +209,13 @@ class _GraphCompile:
         compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
+        reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]
+        read_ahead = reads if self.cfg.offload.overlap else []
 
         def run_graph(args):
             collectives.count(sched)
+            if reads:
+                offload_engine.start_reads(read_ahead)
             if side:
                 args = list(args)
                 args.extend(s.value() for s in side)
@@ -186,6 +225,18 @@ class _GraphCompile:
 
         run_graph._boxed_call = True
         return run_graph
+
+
+def _on_tier(node: fx.Node, example: torch.Tensor) -> torch.Tensor:
+    """A saved activation the forward offloaded arrives on the host, in the layout the compiled forward produced."""
+    if node.meta.get("zc_tier") != "cpu" or example.device.type == "cpu":
+        return example
+    with detect_fake_mode([example]) or _disable_current_modes():
+        return torch.empty_strided(example.shape, example.stride(), dtype=example.dtype, device="cpu")
+
+
+class MemoryBudgetError(RuntimeError):
+    """The planned step does not fit `memory_budget` (the message gives the breakdown and what would help)."""
 
 
 class PlanCaptured(Exception):
@@ -208,7 +259,7 @@ def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     """The `zero` backend for torch.compile."""
     try:
         return _compile(gm, example_inputs, options, **kwargs)
-    except (zconfig.ConfigError, schedule_check.ScheduleMismatch, PlanCaptured):
+    except (zconfig.ConfigError, schedule_check.ScheduleMismatch, PlanCaptured, MemoryBudgetError):
         raise
     except Exception as e:
         # dynamo turns some exception types into a graph break that runs eager code; re-raise as our own type.
@@ -220,7 +271,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
         raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
     cfg = zconfig.from_options(options)
     ctx = DistContext.current()
-    params = {i: shard_store.register(x, cfg.stage, ctx)
+    params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, _row_multiple(cfg, x))
               for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
     job = _GraphCompile(cfg, ctx, params, len(example_inputs))
     if ctx.planning:
@@ -247,6 +298,13 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
 
     run.zc_job = job
     return run
+
+
+def _row_multiple(cfg: zconfig.Config, p: nn.Parameter) -> int:
+    """tile_linears needs a big 2-D weight sharded by whole rows, a multiple of the tile count per rank."""
+    t = cfg.tiling
+    big = t is not None and p.dim() == 2 and p.numel() * p.element_size() >= t.min_bytes
+    return t.tiles if big and cfg.stage == 3 else 0
 
 
 def _boxed(job: _GraphCompile, kind: str, gm: fx.GraphModule, example_inputs):

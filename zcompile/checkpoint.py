@@ -32,7 +32,7 @@ def _shard_file(directory: str, rank: int, world: int) -> str:
 
 
 def _local_values(zp: shard_store.ShardedParam) -> torch.Tensor:
-    return zp.shard.detach() if zp.stage >= 2 else zp.local_slice()
+    return zp.values() if zp.stage >= 2 else zp.local_slice()
 
 
 def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -92,7 +92,10 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
             target = p if zp.stage == 0 else _local_values(zp)
             if target.shape != value.shape:
                 raise ValueError(f"{path}: '{name}' holds shape {tuple(value.shape)}, expected {tuple(target.shape)}")
-            target.copy_(value)
+            if zp.stage >= 2:
+                zp.load_values(value)  # the shard, its offload master and its NVMe file
+            else:
+                target.copy_(value)
             if zp.keeps_full:
                 shard_store.gather_full([zp])
         for name, b in _module(model).named_buffers():
@@ -117,7 +120,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
             value = zp.full_view().clone()
         else:
             flat = torch.empty(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)
-            all_gather_flat(flat, zp.shard.detach(), zp.group)
+            all_gather_flat(flat, zp.values().to(flat.device), zp.group)
             value = flat[: zp.numel].view(zp.shape).clone()
         out[name] = value
     # Tied parameters appear once in named_parameters(); state_dict() lists every name they are reachable under.

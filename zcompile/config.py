@@ -42,6 +42,27 @@ class QuantizeGradients:
 
 
 @dataclasses.dataclass(frozen=True)
+class Offload:
+    """ZeRO-Infinity tiers: where optimizer state, parameter shards and saved activations live between uses."""
+    optimizer: str = "none"    # none | cpu | nvme: fp32 master + Adam moments off the device
+    params: str = "none"       # none | cpu | nvme: stage-3 parameter shards off the device, reloaded before gathers
+    activations: str = "none"  # none | cpu: saved activations of at least activation_min_bytes
+    nvme_path: str | None = None
+    activation_min_bytes: int = 1 << 20
+    overlap: bool = True       # NVMe reads run ahead on a thread pool (false: read at the reload, for benchmarks)
+
+    @property
+    def any(self) -> bool:
+        return (self.optimizer, self.params, self.activations) != ("none", "none", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    min_bytes: int = 64 << 20  # a linear whose weight has at least this many bytes is tiled
+    tiles: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     stage: int = 3
     backend: str = "inductor"
@@ -53,11 +74,14 @@ class Config:
     bucket_mb: float = 25.0
     prefetch: int = 1
     memory_budget: str | float | None = None
+    over_budget: str = "error"  # a plan over memory_budget: "error" (MemoryBudgetError) or "warn" (noted in dumps)
     persist_threshold: str | int = 0
     quantize_weights: QuantizeWeights | None = None  # ZeRO++ qwZ
     quantize_gradients: QuantizeGradients | None = None  # ZeRO++ qgZ
     hpz_partition_size: int = 1  # ZeRO++ hpZ: ranks a secondary parameter copy is partitioned over (1: off)
     ranks_per_node: int | None = None
+    offload: Offload = Offload()
+    tiling: Tiling | None = None
     source: str = "<defaults>"
 
     def memory_budget_bytes(self, device: torch.device) -> int | None:
@@ -73,8 +97,9 @@ class Config:
         """The pass pipeline: the YAML's, or the default for the stage."""
         if self.pipeline is not None:
             return self.pipeline
-        return ("mixed_precision", "tag_param_recompute", "shard_params", "secondary_partition", "quantize_weights",
-                "reduce_grads", "bucket_collectives", "quantize_gradients", "prefetch")
+        return ("mixed_precision", "tile_linears", "tag_param_recompute", "shard_params", "offload_params",
+                "secondary_partition", "quantize_weights", "reduce_grads", "bucket_collectives", "quantize_gradients",
+                "offload_activations", "prefetch")
 
     @property
     def dump_dir(self) -> str | None:
@@ -97,6 +122,7 @@ SCHEMA: dict[str, Any] = {
     "prefetch": ((int,), "all-gathers issued this many buckets ahead of their use (0: right before use)"),
     "memory_budget": ((str, int, float, type(None)),
                       "cap on a rank's planned step peak: '12GiB', bytes, or a fraction of device memory"),
+    "over_budget": ((str,), "a plan whose step peak exceeds memory_budget: 'error' (default) or 'warn'"),
     "quantize_weights": {
         "bits": ((int,), "qwZ: bits per weight in forward all-gathers (8)"),
         "block": ((int,), "qwZ: elements per quantization block, each with its own fp32 scale"),
@@ -111,6 +137,18 @@ SCHEMA: dict[str, Any] = {
                        "ranks per node, for intra/cross-node accounting (default: torchrun's LOCAL_WORLD_SIZE)"),
     "persist_threshold": ((str, int),
                           "stage 3: parameters of at most this many bytes stay whole (no gathers): '64KiB' or bytes"),
+    "offload": {
+        "optimizer": ((str,), "none, cpu or nvme: where the fp32 master and Adam moments live and are stepped"),
+        "params": ((str,), "none, cpu or nvme: stage 3 parameter shards off the device, reloaded before gathers"),
+        "activations": ((str,), "none or cpu: saved activations of at least activation_min_bytes go to the host"),
+        "nvme_path": ((str, type(None)), "directory for nvme-tier files (a local SSD)"),
+        "activation_min_bytes": ((str, int), "smallest saved activation to offload: '1MiB' or bytes"),
+        "overlap": ((bool,), "NVMe reads run ahead of their use on a thread pool (false: read when needed)"),
+    },
+    "tiling": {
+        "min_bytes": ((str, int), "a linear whose weight has at least this many bytes is tiled: '64MiB' or bytes"),
+        "tiles": ((int,), "tiles per tiled linear (its output features are split this many ways)"),
+    },
 }
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -189,6 +227,50 @@ def _quantization(raw: dict, key: str, cls, what: str, multiple: int, where: str
     return q
 
 
+def _offload(section: dict | None, stage: int, where: str) -> Offload:
+    if section is None:
+        return Offload()
+    o = Offload(**{k: v for k, v in section.items() if k != "activation_min_bytes"},
+                activation_min_bytes=parse_bytes(section.get("activation_min_bytes", 1 << 20), None, where,
+                                                 "offload.activation_min_bytes", fraction=False) or 0)
+    for key, value, allowed in (("optimizer", o.optimizer, ("none", "cpu", "nvme")),
+                                ("params", o.params, ("none", "cpu", "nvme")),
+                                ("activations", o.activations, ("none", "cpu"))):
+        if value not in allowed:
+            raise ConfigError(f"{where}: key 'offload.{key}' must be one of {list(allowed)}, got {value!r}")
+    if o.optimizer != "none" and stage < 2:
+        raise ConfigError(f"{where}: key 'offload.optimizer' needs stage 2 or 3 (the optimizer steps a flat shard "
+                          f"there; stage {stage} steps the parameters in place)")
+    if o.params != "none":
+        if stage != 3:
+            raise ConfigError(f"{where}: key 'offload.params' needs stage 3 (only stage 3 keeps parameters as shards)")
+        if o.optimizer == "none":
+            raise ConfigError(f"{where}: key 'offload.params' is {o.params!r} but 'offload.optimizer' is 'none': "
+                              "offloaded shards are stepped where they live; set offload.optimizer to cpu or nvme")
+    if o.activations != "none" and stage < 2:
+        raise ConfigError(f"{where}: key 'offload.activations' needs stage 2 or 3")
+    if "nvme" in (o.optimizer, o.params):
+        if not o.nvme_path:
+            raise ConfigError(f"{where}: key 'offload.nvme_path' is required when a tier is 'nvme'")
+    elif o.nvme_path:
+        raise ConfigError(f"{where}: key 'offload.nvme_path' is set but no tier is 'nvme'")
+    return o
+
+
+def _tiling(section: dict | None, stage: int, where: str) -> Tiling | None:
+    if section is None:
+        return None
+    if stage != 3:
+        raise ConfigError(f"{where}: key 'tiling' needs stage 3 (tiles are gathered one after another)")
+    t = Tiling(parse_bytes(section.get("min_bytes", Tiling.min_bytes), None, where, "tiling.min_bytes",
+                           fraction=False) or 0, section.get("tiles", Tiling.tiles))
+    if t.tiles < 2:
+        raise ConfigError(f"{where}: key 'tiling.tiles' must be >= 2, got {t.tiles}")
+    if t.min_bytes < 1:
+        raise ConfigError(f"{where}: key 'tiling.min_bytes' must be positive, got {section.get('min_bytes')!r}")
+    return t
+
+
 def from_dict(raw: dict, where: str = "<options>") -> Config:
     """Validate a raw mapping (parsed YAML) and build a Config."""
     from zcompile.passes import check_pipeline  # local: passes import config
@@ -219,6 +301,9 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     if prefetch < 0:
         raise ConfigError(f"{where}: key 'prefetch' must be >= 0, got {prefetch}")
     parse_bytes(raw.get("memory_budget"), None, where)
+    over_budget = raw.get("over_budget", "error")
+    if over_budget not in ("error", "warn"):
+        raise ConfigError(f"{where}: key 'over_budget' must be 'error' or 'warn', got {over_budget!r}")
     persist = raw.get("persist_threshold", 0)
     parse_bytes(persist, None, where, "persist_threshold", fraction=False)
     if persist and stage != 3:
@@ -244,6 +329,13 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     rpn = raw.get("ranks_per_node")
     if rpn is not None and rpn < 1:
         raise ConfigError(f"{where}: key 'ranks_per_node' must be positive, got {rpn}")
+    offload = _offload(raw.get("offload"), stage, where)
+    tiling = _tiling(raw.get("tiling"), stage, where)
+    for key, pass_name, on in (("offload.params", "offload_params", offload.params != "none"),
+                               ("offload.activations", "offload_activations", offload.activations != "none"),
+                               ("tiling", "tile_linears", tiling is not None)):
+        if on and raw.get("pipeline") is not None and pass_name not in raw["pipeline"]:
+            raise ConfigError(f"{where}: key '{key}' is set but the 'pipeline' lacks the {pass_name} pass")
     pipeline = raw.get("pipeline")
     if pipeline is not None:
         if not all(isinstance(p, str) for p in pipeline):
@@ -252,8 +344,9 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     cfg = Config(stage=stage, backend=backend, mixed_precision=MixedPrecision(param_dtype, reduce_dtype),
                  dump=raw.get("dump"), pipeline=pipeline, schedule_check=raw.get("schedule_check", True),
                  collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
-                 memory_budget=raw.get("memory_budget"), persist_threshold=persist, quantize_weights=qw,
-                 quantize_gradients=qg, hpz_partition_size=hpz, ranks_per_node=rpn, source=where)
+                 memory_budget=raw.get("memory_budget"), over_budget=over_budget, persist_threshold=persist, quantize_weights=qw,
+                 quantize_gradients=qg, hpz_partition_size=hpz, ranks_per_node=rpn, offload=offload,
+                 tiling=tiling, source=where)
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:

@@ -16,7 +16,8 @@ def _grads(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[tor
     for p in params:
         zp = shard_store.owner(p)
         if zp is not None:
-            p, group = zp.optimizer_tensor(), (zp.group if zp.stage >= 2 else group)
+            # before the step the gradient sits on the shard (an offloaded master gets it only while stepping)
+            p, group = (zp.shard if zp.stage >= 2 else zp.optimizer_tensor()), (zp.group if zp.stage >= 2 else group)
         if id(p) in seen or p.grad is None:
             continue
         seen.add(id(p))

@@ -3,7 +3,8 @@
 Tensors are tracked by storage (views share their base's storage, so they cost nothing extra); a storage is
 allocated by the first node that produces it and freed after the last node that reads any tensor on it, or, for a
 collective's input, after the collective's wait. Graph inputs are counted apart (they are held by the caller);
-graph outputs live past the end.
+graph outputs live past the end. Tensors in host memory (offload: nodes and placeholders marked `zc_tier`) are not
+device memory and are not counted.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def analyze(gm: fx.GraphModule) -> Liveness:
     storages_of: dict[fx.Node, list] = {}
     size: dict = {}
     inputs: set = set()
+    host: set = set()
     for n in nodes:
         if n.op == "output":  # allocates nothing; its value repeats its inputs' (as fresh fake tensors)
             storages_of[n] = []
@@ -96,7 +98,9 @@ def analyze(gm: fx.GraphModule) -> Liveness:
             key = StorageWeakRef(t.untyped_storage())
             size.setdefault(key, _nbytes(t))
             keys.append(key)
-            if n.op == "placeholder":
+            if n.meta.get("zc_tier") in ("cpu", "nvme"):
+                host.add(key)
+            elif n.op == "placeholder":
                 inputs.add(key)
         storages_of[n] = keys
     last_use: dict = {}
@@ -122,7 +126,7 @@ def analyze(gm: fx.GraphModule) -> Liveness:
         frees.setdefault(k, []).append(key)
     for k, n in enumerate(nodes):
         for key in storages_of[n]:
-            if key not in allocated and key not in inputs:
+            if key not in allocated and key not in inputs and key not in host:
                 allocated.add(key)
                 live += size[key]
         if live > peak:

@@ -32,6 +32,8 @@ class PassContext:
     topology: Topology | None = None        # which ranks share a node
     side_inputs: list[SideInput] = dataclasses.field(default_factory=list)  # appended to the graph's inputs
     own_placeholders: set[str] = dataclasses.field(default_factory=set)  # placeholders whose values we set
+    num_fwd_outputs: int = 0                # forward graph: outputs before the saved-for-backward ones
+    offloaded: dict[str, int] = dataclasses.field(default_factory=dict)  # saved activations on the host (shared)
 
     def add_side_input(self, gm: fx.GraphModule, zp: ShardedParam, kind: str, note: str) -> fx.Node:
         """A new last placeholder that the runtime fills with SideInput(zp, kind)."""

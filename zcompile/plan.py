@@ -65,9 +65,12 @@ class Plan:
             f"({self.nodes} node(s) x {self.world // self.nodes})",
             f"model state per rank: params {f(self.state.param)} + grads {f(self.state.grad)} + optimizer "
             f"{f(self.state.optim)}" + (f" + hpZ secondary {f(self.state.secondary)}" if self.state.secondary else "")
-            + f" = {f(self.state.total)}",
+            + f" = {f(self.state.total)}"
+            + (f"; offloaded: host {f(self.state.host)}, nvme {f(self.state.nvme)}"
+               if self.state.host or self.state.nvme else ""),
             f"  zcompile formula (fp32 params/grads, Adam): {f(self.formula_bytes)}"
-            f" (planned/formula = {(self.state.total - self.state.secondary) / self.formula_bytes:.6f})",
+            f" (planned/formula = {(self.state.total - self.state.secondary + self.state.host + self.state.nvme) / self.formula_bytes:.6f}"
+            + (", counting offloaded bytes" if self.state.host or self.state.nvme else "") + ")",
             f"  ZeRO paper formula (fp16 params/grads, K=12): {f(self.paper_formula_bytes)}"
             + (" (same total at stage 3: 16 bytes per parameter / N)" if self.stage == 3 else ""),
         ]
@@ -113,8 +116,9 @@ def build_model(spec: str) -> tuple[str, GPTConfig]:
 
 
 def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, seq: int | None = None,
-         overrides: dict | None = None) -> Plan:
-    """Plan one training step of a GPT preset (or config file) on `world` ranks. `config`: path, mapping or None."""
+         overrides: dict | None = None, offload: str = "none") -> Plan:
+    """Plan one training step of a GPT preset (or config file) on `world` ranks. `config`: path, mapping or None.
+    `offload` ("cpu"/"nvme") puts the optimizer state, and at stage 3 the parameter shards, in that tier."""
     if world < 1 or nodes < 1 or world % nodes:
         raise zconfig.ConfigError(f"--world {world} must be a positive multiple of --nodes {nodes}")
     name, gcfg = build_model(model)
@@ -126,7 +130,15 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     if isinstance(cfg.memory_budget, float) and cfg.memory_budget <= 1:
         raise zconfig.ConfigError(f"{cfg.source}: key 'memory_budget' is a fraction of device memory; planning "
                                   "has no device, give it in bytes (e.g. '80GiB')")
-    cfg = dataclasses.replace(cfg, backend="eager", schedule_check=False, dump=None,
+    if offload != "none":
+        section = {"optimizer": offload, "params": offload if cfg.stage == 3 else "none",
+                   "activations": cfg.offload.activations,
+                   "activation_min_bytes": cfg.offload.activation_min_bytes}
+        if offload == "nvme":
+            section["nvme_path"] = "<planned>"
+        cfg = dataclasses.replace(cfg, offload=zconfig._offload(section, cfg.stage, "--offload"))
+    # a plan over budget is reported, not raised
+    cfg = dataclasses.replace(cfg, backend="eager", schedule_check=False, dump=None, over_budget="warn",
                               ranks_per_node=cfg.ranks_per_node or world // nodes)
     torch._dynamo.reset()
     zbackend.JOBS.clear()
@@ -179,16 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=1, help="micro-batch size per rank")
     ap.add_argument("--seq", type=int, help="sequence length (default: the model's block_size)")
     ap.add_argument("--layers", type=int, help="override the number of layers")
-    ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
+    ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none",
+                    help="optimizer state (and at stage 3 parameter shards) in this tier")
     ap.add_argument("--out", help="directory for schedule.txt, timeline.json (Chrome/Perfetto) and plan.json")
     ap.add_argument("--schedule", action="store_true", help="print every collective of the schedule")
     args = ap.parse_args(argv)
-    if args.offload != "none":
-        print("zcompile plan: --offload is not implemented yet (ZeRO-Infinity offload is an open issue)", file=sys.stderr)
-        return 2
     try:
         result = plan(args.model, args.world, args.nodes, args.config, args.micro, args.seq,
-                      {"n_layer": args.layers} if args.layers else None)
+                      {"n_layer": args.layers} if args.layers else None, args.offload)
     except zconfig.ConfigError as e:
         print(f"zcompile plan: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,9 @@ Model state per rank assumes fp32 master parameters and an Adam-like optimizer (
 steps), the ZeRO paper's K=8 bytes of optimizer state per parameter on top of 4 for the parameter and 4 for the
 gradient. The step peak adds a compiled graph's own peak (its inputs, which include the saved activations for the
 backward, plus its transient tensors, from `liveness`) to the resident gradients and optimizer state.
+
+With offload, only device-resident bytes count against the budget: `ModelState.param/grad/optim` are what stays on
+the device, `host` and `nvme` what the offload tiers hold (a master copy, moments, shards, their gradients).
 """
 from __future__ import annotations
 
@@ -22,30 +25,40 @@ class ModelState:
     optim: int
     persistent_params: int = 0  # parameters (elements) kept whole at stage 3
     secondary: int = 0          # hpZ secondary partitions (compute dtype), kept between steps
+    host: int = 0               # offloaded to host memory
+    nvme: int = 0               # offloaded to NVMe files
 
     @property
     def total(self) -> int:
+        """Device-resident bytes."""
         return self.param + self.grad + self.optim + self.secondary
 
 
 def model_state(zps: list[ShardedParam]) -> ModelState:
-    """This rank's bytes of parameters, gradients and optimizer state, as `report.memory_report` measures them."""
-    param = grad = optim = persistent = secondary = 0
+    """This rank's bytes of parameters, gradients and optimizer state, as `report.memory_report` measures them:
+    device-resident in param/grad/optim/secondary, offloaded in host/nvme."""
+    param = grad = optim = persistent = secondary = host = nvme = 0
     for zp in zps:
         if zp.secondary_numel and not zp.keeps_full:  # a persistent parameter is never gathered
             secondary += zp.secondary_numel * zp.secondary_dtype.itemsize
         item = zp.dtype.itemsize
         stepped = zp.numel if zp.stage == 0 else zp.shard_numel
-        optim += OPTIM_BYTES_PER_ELEMENT * stepped
-        grad += item * (zp.numel if zp.stage < 2 else zp.shard_numel)
-        if zp.stage == 0:
-            param += item * zp.numel
-        elif zp.keeps_full:
-            param += item * zp.padded_numel
-            persistent += zp.numel if zp.stage == 3 else 0
-        else:
-            param += item * zp.shard_numel
-    return ModelState(param, grad, optim, persistent, secondary)
+        p_bytes = item * (zp.numel if zp.stage == 0 else zp.padded_numel if zp.keeps_full else zp.shard_numel)
+        g_bytes = item * (zp.numel if zp.stage < 2 else zp.shard_numel)
+        o_bytes = OPTIM_BYTES_PER_ELEMENT * stepped
+        if zp.keeps_full and zp.stage == 3:
+            persistent += zp.numel
+        if zp.param_tier != "device":  # the shard and its gradient live in the tier, stepped there
+            host += g_bytes + (p_bytes if zp.param_tier == "cpu" else 0)
+            nvme += p_bytes if zp.param_tier == "nvme" else 0
+            p_bytes = g_bytes = 0
+        if zp.optim_tier != "device":
+            host += o_bytes if zp.optim_tier == "cpu" else 0
+            nvme += o_bytes if zp.optim_tier == "nvme" else 0
+            host += 4 * stepped if zp.param_tier == "device" else 0  # the fp32 master the optimizer steps
+            o_bytes = 0
+        param, grad, optim = param + p_bytes, grad + g_bytes, optim + o_bytes
+    return ModelState(param, grad, optim, persistent, secondary, host, nvme)
 
 
 def graph_peak(live: liveness.Liveness) -> int:

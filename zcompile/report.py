@@ -10,11 +10,12 @@ dtype; it is reported separately and added to the expected bytes.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn as nn
 
-from zcompile import planner, shard_store
+from zcompile import nvme_files, planner, shard_store
 
 
 def expected_bytes(stage: int, P: int, N: int, persistent: int = 0) -> int:
@@ -35,6 +36,8 @@ class MemoryReport:
     optim_bytes: int
     expected: int
     secondary_bytes: int = 0  # hpZ secondary partitions
+    host_bytes: int = 0       # offloaded to host memory (not in total)
+    nvme_bytes: int = 0       # offloaded to NVMe files (not in total)
 
     @property
     def total(self) -> int:
@@ -51,7 +54,9 @@ class MemoryReport:
                 f"{self.optim_bytes * mib:.2f} MiB"
                 + (f" + hpZ secondary {self.secondary_bytes * mib:.2f} MiB" if self.secondary_bytes else "")
                 + f" = {self.total * mib:.2f} MiB; ZeRO formula "
-                f"{self.expected * mib:.2f} MiB (x{self.ratio:.4f})")
+                f"{self.expected * mib:.2f} MiB (x{self.ratio:.4f})"
+                + (f"; offloaded: host {self.host_bytes * mib:.2f} MiB, nvme {self.nvme_bytes * mib:.2f} MiB"
+                   if self.host_bytes or self.nvme_bytes else ""))
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -61,7 +66,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryReport:
     """Measure this rank's model-state bytes. Call after an optimizer step (Adam creates its state lazily)."""
     shard_store.adopt_optimizer(optimizer)
-    P = param_b = grad_b = 0
+    P = param_b = grad_b = host_b = nvme_b = 0
     zps = []
     for p in model.parameters():
         zp = shard_store.owner(p)
@@ -71,15 +76,38 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
         P += zp.numel
         if zp.keeps_full:
             param_b += _nbytes(zp.full)  # stage 2's (and a persistent one's) shard is a view into it
-        elif zp.stage == 3:
+        elif zp.stage == 3 and zp.param_tier == "device":
             param_b += _nbytes(zp.shard)
+        elif zp.stage == 3:
+            host_b += _nbytes(zp.shard) if zp.param_tier == "cpu" else 0
+            nvme_b += _file_bytes(zp, f"param{zp.key}")
         else:
             param_b += _nbytes(p)
-        grad_b += _nbytes(zp.optimizer_tensor().grad)
-    optim_b = sum(_nbytes(v) for zp in zps for v in optimizer.state.get(zp.optimizer_tensor(), {}).values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+        if zp.param_tier == "device":
+            grad_b += _nbytes(zp.gradient())
+        else:
+            host_b += _nbytes(zp.gradient())
+        host_b += _nbytes(zp.master)
+    optim_b = 0
+    for zp in zps:
+        state = sum(_nbytes(v) for v in optimizer.state.get(zp.optimizer_tensor(), {}).values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        if zp.optim_tier == "device":
+            optim_b += state
+        else:
+            host_b += state
+            nvme_b += _file_bytes(zp, f"adam{zp.key}_m") + _file_bytes(zp, f"adam{zp.key}_v")
     stage, world = zps[0].stage, zps[0].world
     persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
     secondary = sum(_nbytes(zp._secondary) for zp in zps)
-    return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b,
-                        expected_bytes(stage, P, world, persistent) + planner.model_state(zps).secondary, secondary)
+    expected = expected_bytes(stage, P, world, persistent) + planner.model_state(zps).secondary
+    if host_b or nvme_b:  # offload: the device keeps what the planner says stays there
+        expected = planner.model_state(zps).total
+    return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b, expected, secondary, host_b, nvme_b)
+
+
+def _file_bytes(zp, name: str) -> int:
+    """Payload bytes of an NVMe-tier file (its header says how many)."""
+    if zp.nvme is None or not os.path.exists(zp.nvme.file(name)):
+        return 0
+    return max(0, os.path.getsize(zp.nvme.file(name)) - nvme_files.BLOCK)

@@ -14,6 +14,15 @@ contiguous view of the padded full buffer; stage 3 frees its storage with `untyp
 does) once the graph is compiled.
 
 The optimizer is handled by global step hooks: a standard torch.optim optimizer works unchanged.
+
+Offload (ZeRO-Infinity, `offload:` in the config) gives each parameter tiers:
+- `param_tier` "cpu": the stage-3 shard lives in host memory and is the graph input; the graph copies it to the
+  device right before its all-gather (pass offload_params). "nvme": the shard lives in a file, its tensor keeps
+  shape but no storage, and the graph reads the file (`zcompile::read_shard`); the storage is brought back only
+  while the optimizer steps it.
+- `optim_tier` "cpu"/"nvme": the optimizer steps a host fp32 `master` (the shard itself when the shard is already
+  on the host); before the step the device gradient moves to the master, after it the master is copied back.
+  With "nvme", zcompile.CPUAdam keeps its moments in files.
 """
 from __future__ import annotations
 
@@ -25,12 +34,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from zcompile import collectives
+import itertools
+
+from zcompile import collectives, offload_engine
 from zcompile.dist_context import DistContext, all_gather_flat
+
+_keys = itertools.count()
 
 
 class ShardedParam:
-    def __init__(self, param: nn.Parameter, stage: int, ctx: DistContext):
+    def __init__(self, param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0):
         if not param.is_floating_point():
             raise TypeError(f"zcompile shards floating-point parameters only, got {param.dtype}")
         self.param_ref = weakref.ref(param)
@@ -42,6 +55,18 @@ class ShardedParam:
         self.numel = param.numel()
         self.dtype = param.dtype
         self.shard_numel = max(1, math.ceil(self.numel / self.world))
+        if row_multiple and stage == 3 and param.dim() == 2:
+            # tile_linears: each rank owns whole rows, a multiple of `row_multiple` of them, so a tile of every
+            # rank's shard is a set of whole rows of the weight
+            rows = math.ceil(self.shape[0] / (self.world * row_multiple)) * row_multiple
+            self.shard_numel = rows * self.shape[1]
+        self.row_multiple = row_multiple if stage == 3 and param.dim() == 2 else 0
+        self.key = next(_keys)
+        self.param_tier = _tier(offload.params if offload is not None and stage == 3 else "none")
+        self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= 2 else "none")
+        self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank)
+                     if "nvme" in (self.param_tier, self.optim_tier) and not ctx.planning else None)
+        self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
         self.padded_numel = self.shard_numel * self.world
         self.lo = min(self.rank * self.shard_numel, self.numel)
         self.hi = min(self.lo + self.shard_numel, self.numel)
@@ -58,7 +83,8 @@ class ShardedParam:
             if stage == 2:
                 local = self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             else:
-                local = torch.zeros(self.shard_numel, dtype=self.dtype, device=data.device)
+                where = "cpu" if self.param_tier != "device" and not ctx.planning else data.device
+                local = torch.zeros(self.shard_numel, dtype=self.dtype, device=where)
                 local[: self.hi - self.lo].copy_(data.reshape(-1)[self.lo:self.hi])
             self.shard = nn.Parameter(local, requires_grad=param.requires_grad)
             self.shard._zc_owner = self  # lets checkpoints and clipping find the parameter a shard belongs to
@@ -71,6 +97,48 @@ class ShardedParam:
         self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
+        if ctx.planning:  # meta tensors: tiers are accounted for, nothing is written or copied
+            pass
+        elif self.param_tier == "nvme":
+            offload_engine.SHARDS[self.key] = self
+            self.spill()
+        elif self.optim_tier != "device" and self.param_tier == "device":
+            self.master = nn.Parameter(torch.empty(self.shard_numel, dtype=torch.float32, device="cpu",
+                                                   pin_memory=self.shard.device.type == "cuda"),
+                                       requires_grad=param.requires_grad)
+            self.master.detach().copy_(self.shard.detach())
+            self.master._zc_owner = self
+
+    # -- offload tiers
+    def spill(self) -> None:
+        """NVMe tier: write the shard's values to its file and free its storage (the tensor keeps its shape)."""
+        self.nvme.write(f"param{self.key}", self.shard.detach())
+        self.shard.untyped_storage().resize_(0)
+
+    def read_nvme(self) -> torch.Tensor:
+        return self.nvme.read(f"param{self.key}", self.shard_numel, self.dtype)
+
+    def materialize(self) -> None:
+        """NVMe tier: bring the shard's values back into its own storage (for the optimizer step, checkpoints)."""
+        if self.param_tier == "nvme" and self.shard.untyped_storage().nbytes() == 0:
+            values = self.read_nvme()
+            self.shard.untyped_storage().resize_(values.numel() * values.element_size())
+            self.shard.detach().copy_(values)
+
+    def values(self) -> torch.Tensor:
+        """This rank's shard values, wherever they live (stages 2/3)."""
+        if self.param_tier == "nvme" and self.shard.untyped_storage().nbytes() == 0:
+            return self.read_nvme()
+        return self.shard.detach()
+
+    def load_values(self, value: torch.Tensor) -> None:
+        """Overwrite this rank's shard (and its master and file) with `value` (stages 2/3)."""
+        self.materialize()
+        self.shard.detach().copy_(value)
+        if self.master is not None:
+            self.master.detach().copy_(value)
+        if self.param_tier == "nvme":
+            self.spill()
 
     @property
     def param(self) -> nn.Parameter:
@@ -111,7 +179,7 @@ class ShardedParam:
 
     def graph_input(self) -> torch.Tensor:
         self.compiled_calls += 1
-        return self.optimizer_tensor()
+        return self.shard if self.stage >= 2 else self.param
 
     def local_slice(self) -> torch.Tensor:
         """This rank's padded slice of the full buffer (stages 1/2)."""
@@ -132,10 +200,39 @@ class ShardedParam:
 
     def optimizer_tensor(self) -> torch.Tensor:
         """The tensor the optimizer steps for this parameter."""
+        if self.master is not None:
+            return self.master
         return self.shard if self.stage >= 2 else self.param
 
+    def gradient(self) -> torch.Tensor | None:
+        """The reduced gradient of this rank's part (before the step: it moves to the master only then)."""
+        if self.stage < 2:
+            return self.param.grad
+        return self.shard.grad if self.shard.grad is not None or self.master is None else self.master.grad
 
-def register(param: nn.Parameter, stage: int, ctx: DistContext) -> ShardedParam:
+    # -- optimizer offload around the step
+    def before_offloaded_step(self) -> None:
+        self.materialize()
+        if self.master is not None and self.shard.grad is not None:
+            grad = self.shard.grad
+            offload_engine.count("device->cpu", grad.numel() * grad.element_size())
+            host = grad.to("cpu", torch.float32, copy=True)
+            self.master.grad = host if self.master.grad is None else self.master.grad.add_(host)
+            self.shard.grad = None  # the device gradient is freed once it is on the host
+
+    def after_offloaded_step(self) -> None:
+        if self.master is not None:
+            offload_engine.count("cpu->device", self.shard_numel * self.dtype.itemsize)
+            self.shard.detach().copy_(self.master.detach())
+        if self.param_tier == "nvme":
+            self.spill()
+
+
+def _tier(setting: str) -> str:
+    return "device" if setting == "none" else setting
+
+
+def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0) -> ShardedParam:
     """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity)."""
     zp = getattr(param, "_zc", None)
     if zp is not None:
@@ -143,8 +240,12 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext) -> ShardedParam:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is already sharded for stage {zp.stage} "
                                f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
                                f"{ctx.world} ranks")
+        tiers = offload.params if offload is not None and stage == 3 else "none"
+        if not ctx.planning and (zp.param_tier if zp.param_tier != "device" else "none") != tiers:
+            raise RuntimeError(f"parameter of shape {tuple(param.shape)} has its shard in tier {zp.param_tier!r}; "
+                               f"a second compile asks for offload.params {tiers!r}: use one config per model")
         return zp
-    zp = ShardedParam(param, stage, ctx)
+    zp = ShardedParam(param, stage, ctx, offload, row_multiple)
     param._zc = zp
     return zp
 
@@ -197,10 +298,11 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
         params = group["params"]
         for i, p in enumerate(params):
             zp = getattr(p, "_zc", None)
-            if zp is not None and zp.stage >= 2:
-                params[i] = zp.shard
+            if zp is not None and zp.stage >= 2 and p is not zp.optimizer_tensor():
+                target = zp.optimizer_tensor()
+                params[i] = target
                 if p in optimizer.state:
-                    optimizer.state[zp.shard] = optimizer.state.pop(p)
+                    optimizer.state[target] = optimizer.state.pop(p)
 
 
 def _managed(optimizer: torch.optim.Optimizer) -> list[ShardedParam]:
@@ -235,12 +337,26 @@ def _has_eager_grad(zp: ShardedParam) -> bool:
     return zp.param.grad is not None and zp.compiled_calls == 0
 
 
+def _check_offloaded_optimizer(optimizer, zps: list[ShardedParam]) -> None:
+    from zcompile.cpu_adam import CPUAdam
+    if any(zp.optim_tier == "nvme" for zp in zps) and not isinstance(optimizer, CPUAdam):
+        raise TypeError(f"offload.optimizer is 'nvme' but the optimizer is {type(optimizer).__name__}: only "
+                        "zcompile.CPUAdam keeps its state in NVMe files (a torch.optim optimizer keeps it in memory)")
+    nvme = next((zp.nvme for zp in zps if zp.optim_tier == "nvme"), None)
+    if isinstance(optimizer, CPUAdam) and nvme is not None:
+        optimizer.attach_nvme(nvme)
+
+
 def _pre_step(optimizer, args, kwargs) -> None:
     adopt_optimizer(optimizer)
     _check_all_managed(optimizer)
-    for zp in _managed(optimizer):
+    zps = _managed(optimizer)
+    _check_offloaded_optimizer(optimizer, zps)
+    for zp in zps:
         if zp.stage == 1:
             zp.enter_step()
+        if zp.optim_tier != "device":
+            zp.before_offloaded_step()
 
 
 def _post_step(optimizer, args, kwargs) -> None:
@@ -249,6 +365,8 @@ def _post_step(optimizer, args, kwargs) -> None:
         zp.compiled_calls = 0
         if zp.stage == 1:
             zp.exit_step()
+        if zp.optim_tier != "device":
+            zp.after_offloaded_step()
     gather_full([zp for zp in zps if zp.keeps_full])
 
 

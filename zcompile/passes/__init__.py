@@ -13,8 +13,9 @@ from typing import Callable
 
 import torch.fx as fx
 
-from zcompile.passes import (bucket_collectives, mixed_precision, prefetch, quantize_gradients, quantize_weights,
-                             reduce_grads, secondary_partition, shard_params, tag_param_recompute)
+from zcompile.passes import (bucket_collectives, mixed_precision, offload_activations, offload_params, prefetch,
+                             quantize_gradients, quantize_weights, reduce_grads, secondary_partition, shard_params,
+                             tag_param_recompute, tile_linears)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +29,10 @@ class PassSpec:
 
 REGISTRY: dict[str, PassSpec] = {
     "mixed_precision": PassSpec(mixed_precision.run, "dynamo", frozenset({"compute_dtype"})),
+    "tile_linears": PassSpec(tile_linears.run, "dynamo", frozenset({"tiles"})),
     "tag_param_recompute": PassSpec(tag_param_recompute.run, "joint", frozenset({"param_recompute"})),
     "shard_params": PassSpec(shard_params.run, "split", frozenset({"param_shards"})),
+    "offload_params": PassSpec(offload_params.run, "split", frozenset({"param_offload"}), frozenset({"param_shards"})),
     "secondary_partition": PassSpec(secondary_partition.run, "split", frozenset({"secondary_partition"}),
                                     frozenset({"param_shards"})),
     "quantize_weights": PassSpec(quantize_weights.run, "split", frozenset({"quantized_gathers"}),
@@ -39,6 +42,7 @@ REGISTRY: dict[str, PassSpec] = {
                                    frozenset({"grad_reduction"})),
     "quantize_gradients": PassSpec(quantize_gradients.run, "split", frozenset({"quantized_reductions"}),
                                    frozenset({"grad_reduction"})),
+    "offload_activations": PassSpec(offload_activations.run, "split", frozenset({"activation_offload"})),
     "prefetch": PassSpec(prefetch.run, "split", frozenset({"prefetch"}), frozenset({"param_shards"})),
 }
 

@@ -29,7 +29,7 @@ def _single(node: fx.Node, op: str) -> bool:
 
 def _bucket_key(node: fx.Node) -> tuple:
     comm = node.meta["zc_comm"]
-    return comm.get("dtype"), comm["group"]
+    return comm.get("dtype"), comm["group"], comm.get("tile")  # a weight tile is its own bucket (tile_linears)
 
 
 def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:

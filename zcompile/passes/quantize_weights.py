@@ -43,6 +43,8 @@ def _quantized_gather(graph: fx.Graph, ag: fx.Node, block: int) -> None:
         new_ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (payload, world, group), {"out": buf})
     collectives._annotate(new_ag, "all_gather", world * row, group,
                           f"{comm['why']}; qwZ int8 in {nb} block(s) of {block} + fp32 scales", world * row, torch.int8)
+    if "tile" in comm:  # a tile is gathered alone (tile_linears)
+        new_ag.meta["zc_comm"]["tile"] = comm["tile"]
     with graph.inserting_before(old_wait):
         wait = graph.call_function(c10d.wait_tensor.default, (new_ag,))
         rows = graph.call_function(aten.view.default, (wait, [world, row]))

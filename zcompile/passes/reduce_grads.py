@@ -11,6 +11,10 @@ instead of every gradient of the model living until the end of the backward.
 Gradients are pre-scaled by 1/world (a sum of pre-divided values: no overflow, no AVG support needed from gloo) and
 communicated in mixed_precision.reduce_dtype; a gradient that the backward just up-cast from that dtype is
 reduced before the cast.
+
+A weight tiled by tile_linears arrives as `zcompile::weight_tiles_grad` of its tile gradients: each tile gradient
+is reduce-scattered on its own where it is produced (tile t of the gradient is slice t of every rank's shard), and
+the shard gradient is the concatenation of the pieces, so no full gradient of that weight ever exists.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import collectives
+from zcompile.kernels import weight_tiles  # noqa: F401  (zcompile::weight_tiles_grad)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -55,6 +60,30 @@ def _reduce(graph: fx.Graph, g: fx.Node, zp, pctx) -> fx.Node:
     return out
 
 
+def _reduce_tiles(graph: fx.Graph, g: fx.Node, i: int, zp, pctx) -> fx.Node:
+    rdtype = pctx.cfg.mixed_precision.reduce_dtype
+    world, group = pctx.dist.world, pctx.dist.group_name
+    tiles = g.args[0]
+    numel = zp.shard_numel * world // len(tiles)
+    out = graph.output_node()
+    waits = []
+    for t, gt in enumerate(tiles):
+        with graph.inserting_before(gt.next):
+            flat = _in_dtype(graph, gt, rdtype)
+            flat = graph.call_function(aten.clone.default, (flat,), {"memory_format": torch.contiguous_format})
+            flat = graph.call_function(aten.mul.Tensor, (flat, 1.0 / world))
+            flat = graph.call_function(aten.view.default, (flat, [numel]))
+            why = (f"backward: average grad tile {t}/{len(tiles)} of {list(zp.shape)} over {world} ranks, keep "
+                   f"{numel // world} of its elements")
+            wait = collectives.reduce_scatter(graph, flat, numel, rdtype, world, group, why)
+        wait.args[0].meta["zc_comm"]["tile"] = (i, t)
+        out.prepend(wait)
+        waits.append(wait)
+    with graph.inserting_before(out):
+        shard = graph.call_function(aten.cat.default, (waits,))
+    return shard
+
+
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     if pctx.kind != "backward":
         return gm
@@ -63,9 +92,18 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     grads = list(out.args[0])
     if len(grads) < pctx.num_args:
         raise RuntimeError(f"backward graph returns {len(grads)} gradients for {pctx.num_args} inputs")
+    old = list(grads)
     for i, zp in pctx.params.items():
         g = grads[i]
         if g is None:
+            continue
+        if (g.target is torch.ops.zcompile.weight_tiles_grad.default and pctx.cfg.stage == 3
+                and not zp.keeps_full):
+            wait = _reduce_tiles(graph, g, i, pctx.params[i], pctx)
+            if pctx.cfg.mixed_precision.reduce_dtype != zp.dtype:
+                with graph.inserting_before(out):
+                    wait = graph.call_function(prims.convert_element_type.default, (wait, zp.dtype))
+            grads[i] = wait
             continue
         with graph.inserting_before(g.next):  # as soon as the gradient exists
             wait = _reduce(graph, g, zp, pctx)
@@ -75,5 +113,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
                 wait = graph.call_function(prims.convert_element_type.default, (wait, zp.dtype))
         grads[i] = wait
     out.args = (type(out.args[0])(grads),)
+    for g in old:
+        if g is not None and g.target is torch.ops.zcompile.weight_tiles_grad.default and not g.users:
+            graph.erase_node(g)
     collectives.limit_in_flight(graph, ("reduce_scatter", "all_reduce"))
     return gm

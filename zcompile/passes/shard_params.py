@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import collectives
+from zcompile.kernels import weight_tiles  # noqa: F401  (zcompile::weight_tiles)
 
 aten = torch.ops.aten
 _CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
@@ -44,6 +45,26 @@ def _gather(graph: fx.Graph, shard: fx.Node, i: int, zp, dtype: torch.dtype, pct
     return _full_from_flat(graph, flat, zp)
 
 
+def _gather_tiles(graph: fx.Graph, ph: fx.Node, tiles_node: fx.Node, i: int, zp, pctx, order: dict) -> None:
+    """tile_linears: tile t of a row-sharded weight is slice t of every rank's shard, gathered on its own before
+    the tile's first use (bucket_collectives keeps tiles apart)."""
+    T = tiles_node.args[1]
+    c = zp.shard_numel // T
+    for g in list(tiles_node.users):
+        t = g.args[1]
+        uses = list(g.users)
+        with graph.inserting_before(min(uses, key=lambda n: order.get(n, len(order))) if uses else g):
+            src = graph.call_function(aten.slice.Tensor, (ph, 0, t * c, (t + 1) * c))
+            why = (f"{pctx.kind}: gather tile {t}/{T} of param {list(zp.shape)} ({zp.dtype}) before its use"
+                   + ("; re-gather, forward released it" if pctx.kind == "backward" else ""))
+            flat = collectives.all_gather(graph, src, c, zp.dtype, zp.world, zp.group_name, why)
+            flat.args[0].meta["zc_comm"]["tile"] = (i, t)
+            tile = graph.call_function(aten.view.default, (flat, [zp.world * c // zp.shape[1], zp.shape[1]]))
+        g.replace_all_uses_with(tile)
+        graph.erase_node(g)
+    graph.erase_node(tiles_node)
+
+
 def _side_input(gm: fx.GraphModule, zp, pctx) -> fx.Node:
     return pctx.add_side_input(gm, zp, "full", f"persistent full param {list(zp.shape)} (stage 2 or kept whole by "
                                "the planner), supplied by the shard store")
@@ -60,6 +81,13 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         users = [u for u in ph.users if u.op != "output"]
         if not users:
             continue
+        tiles = [u for u in users if u.target is torch.ops.zcompile.weight_tiles.default]
+        if tiles and not zp.keeps_full:
+            for node in tiles:
+                _gather_tiles(graph, ph, node, i, zp, pctx, order)
+            users = [u for u in users if u not in tiles]
+            if not users:
+                continue
         if zp.keeps_full:  # stage 2, or a stage 3 parameter the planner keeps whole
             full = _side_input(gm, zp, pctx)
             for u in users:

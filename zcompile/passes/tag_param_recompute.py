@@ -21,7 +21,10 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         if node.op != "call_function":
             continue
         inputs = node.all_input_nodes
-        if inputs and all(a in param_derived for a in inputs) and isinstance(node.meta.get("val"), torch.Tensor):
+        val = node.meta.get("val")
+        tensors = isinstance(val, torch.Tensor) or isinstance(val, (list, tuple)) and val and all(
+            isinstance(v, torch.Tensor) for v in val)  # tile_linears' weight_tiles returns a list
+        if inputs and all(a in param_derived for a in inputs) and tensors:
             param_derived.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = 0
