@@ -32,6 +32,7 @@ from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 SYSTEMS = ["ddp", "fsdp2", "fsdp2_compile", "deepspeed_z3", "zcompile_z1", "zcompile_z2", "zcompile_z3"]
 SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_no_prefetch"]  # --systems all adds these
 ZEROPP = ["zcompile_z3_zeropp"]  # and this (bench/zeropp.py compares convergence and cross-node bytes)
+OFFLOAD = ["zcompile_z3_offload"]  # and this (bench/offload.py: tiers, NVMe, overlap)
 LR = 1e-3
 
 
@@ -207,7 +208,9 @@ SETUP = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_compile": setup_fsdp2_co
          # the scheduling passes switched off, for their before/after
          "zcompile_z3_unbucketed": _zcompile(3, bucket_mb=0, prefetch=0),
          "zcompile_z3_no_prefetch": _zcompile(3, prefetch=0),
-         "zcompile_z3_zeropp": setup_zeropp}
+         "zcompile_z3_zeropp": setup_zeropp,
+         # ZeRO-Infinity on host memory: the state column then counts only what stays on the device
+         "zcompile_z3_offload": _zcompile(3, offload={"optimizer": "cpu", "params": "cpu", "activations": "cpu"})}
 
 
 def worker(rank: int, world: int, system: str, args) -> dict:
@@ -328,7 +331,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     tag = f"{args.model}-{args.size}-{args.device}-w{args.world}"
     rows = []
-    systems = SYSTEMS + SCHEDULING + ZEROPP if args.systems == "all" else args.systems.split(",")
+    systems = SYSTEMS + SCHEDULING + ZEROPP + OFFLOAD if args.systems == "all" else args.systems.split(",")
     for system in systems:
         t0 = time.time()
         rows.append(run_system(system, args))

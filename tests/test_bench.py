@@ -23,3 +23,16 @@ def test_compare_runs_and_systems_agree(tmp_path):
     assert rows["zcompile_z3"]["state_bytes"] == pytest.approx(rows["ddp"]["state_bytes"] / 2, rel=0.01)
     md = (tmp_path / "gpt-small-cpu-w2.md").read_text()
     assert "| zcompile_z3 |" in md and "1.00x" in md
+
+
+def test_offload_bench_reports_tiers_and_keeps_the_loss(tmp_path):
+    cmd = [sys.executable, "bench/offload.py", "--world", "2", "--size", "small", "--backend", "eager", "--steps", "2",
+           "--warmup", "1", "--micro", "1", "--seq", "16", "--systems", "zero3,cpu,nvme",
+           "--nvme-path", str(tmp_path / "nvme"), "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    rows = {r["system"]: r for r in json.load(open(tmp_path / "offload-gpt-small-w2-eager.json"))["rows"]}
+    assert rows["cpu"]["losses"] == rows["zero3"]["losses"] == rows["nvme"]["losses"]
+    assert rows["cpu"]["planned_peak"] < rows["zero3"]["planned_peak"]
+    assert rows["cpu"]["tiers"]["cpu->device"] > 0 and rows["nvme"]["tiers"]["nvme->cpu"] > 0
+    assert rows["zero3"]["tiers"] == {} and rows["nvme"]["device_state"] == 0
+    assert "| nvme |" in (tmp_path / "offload-gpt-small-w2-eager.md").read_text()

@@ -89,6 +89,20 @@ def test_budget_fails_without_offload_and_trains_with_it(plain_eager):
     assert _max_diff(res["params"], plain_eager["params"]) == 0.0
 
 
+def test_auto_optimizer_offload_follows_the_budget(plain_eager):
+    """offload.optimizer auto: a budget the plain step fits (4 MiB) keeps the optimizer on the device; one it
+    does not fit without the optimizer state (1.8 MiB: the plain step plans about 2 MiB, 1.6 MiB without Adam's
+    moments) moves it to the host, and training is unchanged."""
+    auto = {"stage": 3, "backend": "eager", "offload": {"optimizer": "auto"}}
+    roomy = run_world(2, workers.offload_run, "gpt", dict(auto, memory_budget="4MiB"), STEPS, ACCUM)[0]
+    assert roomy["report"].optim_bytes > 0 and roomy["report"].host_bytes == 0
+    tight = run_world(2, workers.offload_run, "gpt", dict(auto, memory_budget="1.8MiB"), STEPS, ACCUM)[0]
+    assert tight["report"].optim_bytes == 0 and tight["report"].host_bytes > 0
+    for res in (roomy, tight):
+        assert res["losses"] == plain_eager["losses"]
+        assert _max_diff(res["params"], plain_eager["params"]) == 0.0
+
+
 def test_tiling_lowers_peaks_and_keeps_results():
     """wide_mlp's two 2 MiB linears in 4 tiles: the forward and backward peaks (planned and measured with the eager
     graphs) drop by at least a weight's worth, and training matches the untiled model to fp32 rounding."""
@@ -184,6 +198,7 @@ def test_nvme_files_are_atomic_and_checked(tmp_path, monkeypatch):
     ({"tiling": {"tiles": 1}}, "'tiling.tiles' must be >= 2"),
     ({"tiling": {"size": 1}}, "unknown key 'tiling.size'"),
     ({"over_budget": "ignore"}, "'over_budget' must be 'error' or 'warn'"),
+    ({"offload": {"optimizer": "auto", "params": "cpu"}}, "'offload.optimizer' is 'auto'"),
     ({"offload": {"optimizer": "cpu", "params": "cpu"}, "pipeline": ["tag_param_recompute", "shard_params",
       "reduce_grads"]}, "lacks the offload_params pass"),
 ])

@@ -153,10 +153,25 @@ class _GraphCompile:
         """A plan whose step peak exceeds `memory_budget` fails here (over_budget: error), before anything runs."""
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         if budget is None:
+            for zp in self.params.values():
+                zp.decide_optimizer_tier(offload=False)  # 'auto' without a budget: nothing asks to offload
             return
         lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
-        state = planner.model_state(list(self.params.values()))
+        zps = list(self.params.values())
+        state = planner.model_state(zps)
         peak = planner.step_peak(state, lives)
+        auto = [zp for zp in zps if zp.optim_tier == "auto"]
+        if auto:  # offload.optimizer auto: the optimizer state stays on the device if the step fits with it there
+            with _disable_current_modes():  # a real host master, not a fake tensor of AOTAutograd's tracing
+                for zp in auto:
+                    zp.decide_optimizer_tier(offload=peak > budget)
+            self.notes.append(f"offload: optimizer state of {len(auto)} param(s) "
+                              + ("on the host (the step does not fit the budget with it on the device)"
+                                 if peak > budget else "on the device (the step fits the budget)"))
+            for gm in graphs.values():
+                gm.meta.setdefault("zc_notes", []).append(self.notes[-1])
+            state = planner.model_state(zps)
+            peak = planner.step_peak(state, lives)
         if peak <= budget:
             return
         worst = max(lives, key=lambda k: planner.graph_peak(lives[k]))
@@ -249,6 +264,15 @@ def _stop_planning(args):
 
 _stop_planning._boxed_call = True
 JOBS: list = []  # graphs compiled under dist_context.planning(), for zcompile.plan to read
+_COMPILED: list = []  # every graph compiled for running, for planned_step_peak
+
+
+def planned_step_peak() -> int:
+    """The largest planned per-rank step peak (device bytes) of the graphs compiled so far in this process:
+    resident gradients and optimizer state plus a graph's inputs and transients (planner.step_peak)."""
+    peaks = [planner.step_peak(planner.model_state(list(job.params.values())), job.planned)
+             for job in _COMPILED if job.planned]
+    return max(peaks, default=0)
 
 
 class ZCompileError(RuntimeError):
@@ -274,8 +298,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, _row_multiple(cfg, x))
               for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
     job = _GraphCompile(cfg, ctx, params, len(example_inputs))
-    if ctx.planning:
-        JOBS.append(job)
+    (JOBS if ctx.planning else _COMPILED).append(job)
     job.dump("dynamo", "input", gm)
     gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 

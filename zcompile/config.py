@@ -44,7 +44,8 @@ class QuantizeGradients:
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """ZeRO-Infinity tiers: where optimizer state, parameter shards and saved activations live between uses."""
-    optimizer: str = "none"    # none | cpu | nvme: fp32 master + Adam moments off the device
+    optimizer: str = "none"    # none | cpu | nvme | auto: fp32 master + Adam moments off the device (auto: when
+    #                            the memory_budget needs it)
     params: str = "none"       # none | cpu | nvme: stage-3 parameter shards off the device, reloaded before gathers
     activations: str = "none"  # none | cpu: saved activations of at least activation_min_bytes
     nvme_path: str | None = None
@@ -138,7 +139,8 @@ SCHEMA: dict[str, Any] = {
     "persist_threshold": ((str, int),
                           "stage 3: parameters of at most this many bytes stay whole (no gathers): '64KiB' or bytes"),
     "offload": {
-        "optimizer": ((str,), "none, cpu or nvme: where the fp32 master and Adam moments live and are stepped"),
+        "optimizer": ((str,), "none, cpu, nvme or auto (cpu only if the memory_budget needs it): where the fp32 "
+                              "master and Adam moments live and are stepped"),
         "params": ((str,), "none, cpu or nvme: stage 3 parameter shards off the device, reloaded before gathers"),
         "activations": ((str,), "none or cpu: saved activations of at least activation_min_bytes go to the host"),
         "nvme_path": ((str, type(None)), "directory for nvme-tier files (a local SSD)"),
@@ -233,7 +235,7 @@ def _offload(section: dict | None, stage: int, where: str) -> Offload:
     o = Offload(**{k: v for k, v in section.items() if k != "activation_min_bytes"},
                 activation_min_bytes=parse_bytes(section.get("activation_min_bytes", 1 << 20), None, where,
                                                  "offload.activation_min_bytes", fraction=False) or 0)
-    for key, value, allowed in (("optimizer", o.optimizer, ("none", "cpu", "nvme")),
+    for key, value, allowed in (("optimizer", o.optimizer, ("none", "cpu", "nvme", "auto")),
                                 ("params", o.params, ("none", "cpu", "nvme")),
                                 ("activations", o.activations, ("none", "cpu"))):
         if value not in allowed:
@@ -241,6 +243,9 @@ def _offload(section: dict | None, stage: int, where: str) -> Offload:
     if o.optimizer != "none" and stage < 2:
         raise ConfigError(f"{where}: key 'offload.optimizer' needs stage 2 or 3 (the optimizer steps a flat shard "
                           f"there; stage {stage} steps the parameters in place)")
+    if o.optimizer == "auto" and o.params != "none":
+        raise ConfigError(f"{where}: key 'offload.optimizer' is 'auto' but offload.params is {o.params!r}: "
+                          "offloaded shards are stepped where they live; set offload.optimizer to cpu or nvme")
     if o.params != "none":
         if stage != 3:
             raise ConfigError(f"{where}: key 'offload.params' needs stage 3 (only stage 3 keeps parameters as shards)")

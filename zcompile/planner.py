@@ -52,7 +52,7 @@ def model_state(zps: list[ShardedParam]) -> ModelState:
             host += g_bytes + (p_bytes if zp.param_tier == "cpu" else 0)
             nvme += p_bytes if zp.param_tier == "nvme" else 0
             p_bytes = g_bytes = 0
-        if zp.optim_tier != "device":
+        if zp.optim_tier in ("cpu", "nvme"):  # "auto" before the planner decides: on the device
             host += o_bytes if zp.optim_tier == "cpu" else 0
             nvme += o_bytes if zp.optim_tier == "nvme" else 0
             host += 4 * stepped if zp.param_tier == "device" else 0  # the fp32 master the optimizer steps

@@ -92,7 +92,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
     for zp in zps:
         state = sum(_nbytes(v) for v in optimizer.state.get(zp.optimizer_tensor(), {}).values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        if zp.optim_tier == "device":
+        if zp.optim_tier not in ("cpu", "nvme"):
             optim_b += state
         else:
             host_b += state

@@ -102,12 +102,26 @@ class ShardedParam:
         elif self.param_tier == "nvme":
             offload_engine.SHARDS[self.key] = self
             self.spill()
-        elif self.optim_tier != "device" and self.param_tier == "device":
-            self.master = nn.Parameter(torch.empty(self.shard_numel, dtype=torch.float32, device="cpu",
-                                                   pin_memory=self.shard.device.type == "cuda"),
-                                       requires_grad=param.requires_grad)
-            self.master.detach().copy_(self.shard.detach())
-            self.master._zc_owner = self
+        elif self.optim_tier in ("cpu", "nvme") and self.param_tier == "device":
+            self._make_master()
+
+    def _make_master(self) -> None:
+        self.master = nn.Parameter(torch.empty(self.shard_numel, dtype=torch.float32, device="cpu",
+                                               pin_memory=self.shard.device.type == "cuda"),
+                                   requires_grad=self.shard.requires_grad)
+        self.master.detach().copy_(self.shard.detach())
+        self.master._zc_owner = self
+
+    def decide_optimizer_tier(self, offload: bool) -> None:
+        """offload.optimizer 'auto': the planner's choice, made once, before the optimizer first steps."""
+        if self.optim_tier != "auto":
+            return
+        if offload and self.stage >= 2:
+            self.optim_tier = "cpu"
+            if not self.planning:
+                self._make_master()
+        else:
+            self.optim_tier = "device"
 
     # -- offload tiers
     def spill(self) -> None:
@@ -355,7 +369,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
     for zp in zps:
         if zp.stage == 1:
             zp.enter_step()
-        if zp.optim_tier != "device":
+        if zp.optim_tier in ("cpu", "nvme"):
             zp.before_offloaded_step()
 
 
@@ -365,7 +379,7 @@ def _post_step(optimizer, args, kwargs) -> None:
         zp.compiled_calls = 0
         if zp.stage == 1:
             zp.exit_step()
-        if zp.optim_tier != "device":
+        if zp.optim_tier in ("cpu", "nvme"):
             zp.after_offloaded_step()
     gather_full([zp for zp in zps if zp.keeps_full])
 

@@ -5,7 +5,8 @@ For each stage-3 parameter whose shard is in the "cpu" tier, the graph copies th
 shard is read from its file (`zcompile::read_shard`; with `offload.overlap` the engine has been reading the graph's
 files ahead, in this order, since the graph started). The placeholder is marked host-resident (`zc_tier`), so the
 planner does not count it as device memory: the device copy lives from the reload to the gather's copy-in.
-bucket_collectives and prefetch move the reload up together with its gather.
+bucket_collectives and prefetch move the reload up together with its gather. On a GPU the backward also sends each
+such shard's reduced gradient to the host (`zcompile::to_host`), where the optimizer steps it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ import torch
 import torch.fx as fx
 
 from zcompile import offload_engine  # noqa: F401  (registers the zcompile:: ops)
+
+
+def _gradients_to_host(gm: fx.GraphModule, pctx) -> None:
+    """A host shard's gradient must be a host tensor (autograd accumulates it into the shard's .grad)."""
+    out = gm.graph.output_node()
+    grads = list(out.args[0])
+    for i, zp in pctx.params.items():
+        if zp.param_tier != "device" and not zp.keeps_full and i < len(grads) and grads[i] is not None:
+            with gm.graph.inserting_before(out):
+                host = gm.graph.call_function(torch.ops.zcompile.to_host.default, (grads[i],))
+            host.meta["zc_tier"] = "cpu"
+            host.meta["zc_note"] = f"gradient shard of param {list(zp.shape)} to the host, where it is stepped"
+            grads[i] = host
+    out.args = (type(out.args[0])(grads),)
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
@@ -40,6 +55,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         for u in users:
             u.replace_input_with(ph, reload)
         moved[zp.param_tier] += 1
+    if pctx.kind == "backward" and device.type != "cpu":
+        _gradients_to_host(gm, pctx)
     if any(moved.values()):
         gm.meta.setdefault("zc_notes", []).append(
             f"offload_params: {moved['cpu']} shard(s) reloaded from cpu, {moved['nvme']} read from nvme")
