@@ -141,18 +141,21 @@ def parity(rank: int, world: int, name: str, stages: list[int], backend: str = "
     return out
 
 
-def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: str) -> dict:
-    config = {"stage": stage, "backend": "eager"}
-    model, opt, _ = train(rank, world, name, config, 3)
+def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: str, extra_config: dict | None = None,
+                      optimizer: str = "adamw") -> dict:
+    config = {"stage": stage, "backend": "eager", **(extra_config or {})}
+    model, opt, _ = train(rank, world, name, config, 3, optimizer=optimizer)
     zcompile.save_checkpoint(directory, model, opt, extra={"step": 3})
-    _, _, continued = train(rank, world, name, config, 2, model=model, opt=opt, start=3)
+    _, _, continued = train(rank, world, name, config, 2, model=model, opt=opt, start=3, optimizer=optimizer)
     full = zcompile.full_state_dict(model)
     # A fresh process state: other initial weights, new compile, then resume from the checkpoint.
     torch._dynamo.reset()
     fresh = torch.compile(build_model(name, seed=123), backend="zero", options={"config": config})
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
-    extra = zcompile.load_checkpoint(directory, fresh, fresh_opt)
-    _, _, resumed = train(rank, world, name, config, 2, model=fresh, opt=fresh_opt, start=extra["step"])
+    fresh_opt = (zcompile.CPUAdam(fresh.parameters(), lr=LR, eps=EPS, chunk_mb=0.05) if optimizer == "cpu_adam"
+                 else torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS))
+    extra = zcompile.load_checkpoint(directory, fresh, fresh_opt, config=config if extra_config else None)
+    _, _, resumed = train(rank, world, name, config, 2, model=fresh, opt=fresh_opt, start=extra["step"],
+                          optimizer=optimizer)
     return {"continued": continued, "resumed": resumed, "full": full, "resumed_full": zcompile.full_state_dict(fresh)}
 
 

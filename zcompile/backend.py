@@ -295,7 +295,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
         raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
     cfg = zconfig.from_options(options)
     ctx = DistContext.current()
-    params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, _row_multiple(cfg, x))
+    params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, shard_store.row_multiple(cfg, x))
               for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
     job = _GraphCompile(cfg, ctx, params, len(example_inputs))
     (JOBS if ctx.planning else _COMPILED).append(job)
@@ -321,13 +321,6 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
 
     run.zc_job = job
     return run
-
-
-def _row_multiple(cfg: zconfig.Config, p: nn.Parameter) -> int:
-    """tile_linears needs a big 2-D weight sharded by whole rows, a multiple of the tile count per rank."""
-    t = cfg.tiling
-    big = t is not None and p.dim() == 2 and p.numel() * p.element_size() >= t.min_bytes
-    return t.tiles if big and cfg.stage == 3 else 0
 
 
 def _boxed(job: _GraphCompile, kind: str, gm: fx.GraphModule, example_inputs):

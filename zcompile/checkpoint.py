@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zcompile import shard_store
+from zcompile import config as zconfig, shard_store
 from zcompile.dist_context import DistContext, all_gather_flat
 
 FORMAT = "zcompile-sharded-v1"
@@ -62,12 +62,14 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
 
 
 def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    stage: int | None = None) -> dict:
+                    stage: int | None = None, config=None) -> dict:
     """Load this rank's shard into `model` (compiled with backend="zero") and `optimizer`; returns `extra`.
 
     Works before the first forward: parameters are sharded here for the checkpoint's stage, and the backend later
-    checks that its config asks for the same stage.
+    checks that its config asks for the same stage. With offload or tiling, pass the model's `config` (path or
+    mapping) so the shards are laid out and placed in their tiers as the compile will expect.
     """
+    cfg = zconfig.from_options({"config": config}) if config is not None else None
     ctx = DistContext.current()
     path = _shard_file(directory, ctx.rank, ctx.world)
     if not os.path.isfile(path):
@@ -87,11 +89,13 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
                        f"unexpected {sorted(set(state['params']) - names)}")
     with torch.no_grad():
         for name, p in _named_params(model):
-            zp = shard_store.register(p, ckpt_stage, ctx)
+            zp = (shard_store.register(p, ckpt_stage, ctx) if cfg is None else
+                  shard_store.register(p, ckpt_stage, ctx, cfg.offload, shard_store.row_multiple(cfg, p)))
             value = state["params"][name]
             target = p if zp.stage == 0 else _local_values(zp)
             if target.shape != value.shape:
-                raise ValueError(f"{path}: '{name}' holds shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+                raise ValueError(f"{path}: '{name}' holds shape {tuple(value.shape)}, expected {tuple(target.shape)}"
+                                 " (a checkpoint of a tiled model loads with load_checkpoint(..., config=) of it)")
             if zp.stage >= 2:
                 zp.load_values(value)  # the shard, its offload master and its NVMe file
             else:

@@ -246,6 +246,13 @@ def _tier(setting: str) -> str:
     return "device" if setting == "none" else setting
 
 
+def row_multiple(cfg, p: nn.Parameter) -> int:
+    """tile_linears needs a big 2-D weight sharded by whole rows, a multiple of the tile count per rank."""
+    t = cfg.tiling
+    big = t is not None and p.dim() == 2 and p.numel() * p.element_size() >= t.min_bytes
+    return t.tiles if big and cfg.stage == 3 else 0
+
+
 def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0) -> ShardedParam:
     """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity)."""
     zp = getattr(param, "_zc", None)
@@ -257,7 +264,13 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
         tiers = offload.params if offload is not None and stage == 3 else "none"
         if not ctx.planning and (zp.param_tier if zp.param_tier != "device" else "none") != tiers:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} has its shard in tier {zp.param_tier!r}; "
-                               f"a second compile asks for offload.params {tiers!r}: use one config per model")
+                               f"a compile asks for offload.params {tiers!r}: use one config per model (and pass "
+                               "it to load_checkpoint(..., config=) when loading before the first forward)")
+        if zp.row_multiple != row_multiple and not ctx.planning:
+            raise RuntimeError(f"parameter of shape {tuple(param.shape)} is sharded "
+                               + (f"by rows for {zp.row_multiple} tiles" if zp.row_multiple else "without tiling")
+                               + f"; a compile asks for " + (f"{row_multiple} tiles" if row_multiple else "no tiling")
+                               + ": use one config per model (and pass it to load_checkpoint(..., config=))")
         return zp
     zp = ShardedParam(param, stage, ctx, offload, row_multiple)
     param._zc = zp
