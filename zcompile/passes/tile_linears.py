@@ -37,6 +37,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         return gm
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    order = {n: k for k, n in enumerate(graph.nodes)}  # the nodes placed before are original ones
     tiled = 0
     for i, zp in pctx.params.items():
         if not zp.row_multiple:
@@ -50,7 +51,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
             continue
         T = tiling.tiles
         rows = zp.shard_numel // zp.shape[1]
-        with graph.inserting_before(min(linears + ([cast] if cast else []), key=list(graph.nodes).index)):
+        with graph.inserting_before(min(linears + ([cast] if cast else []), key=order.get)):
             tiles_node = graph.call_function(torch.ops.zcompile.weight_tiles.default, (ph, T, zp.world, rows))
             tile_w = []
             for t in range(T):
