@@ -26,6 +26,7 @@ Offload (ZeRO-Infinity, `offload:` in the config) gives each parameter tiers:
 """
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 
@@ -33,8 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-import itertools
 
 from zcompile import collectives, offload_engine
 from zcompile.dist_context import DistContext, all_gather_flat
@@ -97,13 +96,12 @@ class ShardedParam:
         self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
-        if ctx.planning:  # meta tensors: tiers are accounted for, nothing is written or copied
-            pass
-        elif self.param_tier == "nvme":
-            offload_engine.SHARDS[self.key] = self
-            self.spill()
-        elif self.optim_tier in ("cpu", "nvme") and self.param_tier == "device":
-            self._make_master()
+        if not ctx.planning:  # planning on meta: tiers are accounted for, nothing is written or copied
+            if self.param_tier == "nvme":
+                offload_engine.SHARDS[self.key] = self
+                self.spill()
+            elif self.optim_tier in ("cpu", "nvme") and self.param_tier == "device":
+                self._make_master()
 
     def _make_master(self) -> None:
         self.master = nn.Parameter(torch.empty(self.shard_numel, dtype=torch.float32, device="cpu",
