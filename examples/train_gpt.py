@@ -72,7 +72,10 @@ def main() -> None:
     model = GPT(GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4,
                           n_embd=args.embd)).to(device)
     model = torch.compile(model, backend="zero", options={"config": cfg})
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if cfg.offload.optimizer in ("cpu", "nvme"):  # host-side Adam (the nvme tier needs it): fused CPU AdamW
+        opt = zcompile.CPUAdam(model.parameters(), lr=args.lr, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     data = batches(load_corpus(args.data).to(device), args.batch, args.block, ctx.rank, ctx.world, seed=1)
 
     times, losses = [], []

@@ -45,7 +45,8 @@ class MemoryReport:
 
     @property
     def ratio(self) -> float:
-        return self.total / self.expected
+        """Measured over expected bytes; with offload, over every tier (expected is then the planner's)."""
+        return (self.total + self.host_bytes + self.nvme_bytes) / max(1, self.expected)
 
     def __str__(self) -> str:
         mib = 1 / 2**20
@@ -53,10 +54,11 @@ class MemoryReport:
                 f"{self.param_bytes * mib:.2f} MiB + grads {self.grad_bytes * mib:.2f} MiB + optimizer "
                 f"{self.optim_bytes * mib:.2f} MiB"
                 + (f" + hpZ secondary {self.secondary_bytes * mib:.2f} MiB" if self.secondary_bytes else "")
-                + f" = {self.total * mib:.2f} MiB; ZeRO formula "
-                f"{self.expected * mib:.2f} MiB (x{self.ratio:.4f})"
-                + (f"; offloaded: host {self.host_bytes * mib:.2f} MiB, nvme {self.nvme_bytes * mib:.2f} MiB"
-                   if self.host_bytes or self.nvme_bytes else ""))
+                + f" = {self.total * mib:.2f} MiB on the device"
+                + (f"; offloaded: host {self.host_bytes * mib:.2f} MiB, nvme {self.nvme_bytes * mib:.2f} MiB; all "
+                   f"tiers vs planned {self.expected * mib:.2f} MiB (x{self.ratio:.4f})"
+                   if self.host_bytes or self.nvme_bytes else
+                   f"; ZeRO formula {self.expected * mib:.2f} MiB (x{self.ratio:.4f})"))
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -100,9 +102,10 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
     stage, world = zps[0].stage, zps[0].world
     persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
     secondary = sum(_nbytes(zp._secondary) for zp in zps)
-    expected = expected_bytes(stage, P, world, persistent) + planner.model_state(zps).secondary
-    if host_b or nvme_b:  # offload: the device keeps what the planner says stays there
-        expected = planner.model_state(zps).total
+    planned = planner.model_state(zps)
+    expected = expected_bytes(stage, P, world, persistent) + planned.secondary
+    if host_b or nvme_b:  # offload: compare every tier with the planner's accounting of them
+        expected = planned.total + planned.host + planned.nvme
     return MemoryReport(zps[0].rank, world, stage, P, param_b, grad_b, optim_b, expected, secondary, host_b, nvme_b)
 
 
