@@ -296,7 +296,7 @@ def corrupt_nvme_then_step(rank: int, world: int, directory: str) -> str:
     config = {"stage": 3, "backend": "eager", "offload": {"optimizer": "cpu", "params": "nvme", "nvme_path": directory}}
     model, opt, _ = train(rank, world, "gpt", config, 1)
     zp = next(iter(model.parameters()))._zc
-    path = zp.nvme.file(f"param{zp.key}")
+    path = zp.nvme.file(zp.param_file)
     with open(path, "r+b") as f:
         f.seek(4096 + 10)
         byte = f.read(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 
 import torch
 import torch.fx as fx
@@ -100,23 +101,26 @@ class _GraphCompile:
         self.num_fwd_outputs = 0
         self.offloaded: dict[str, int] = {}  # saved activations the forward sends to the host, by name
 
-    def pctx(self, kind: str) -> PassContext:
+    def pctx(self, kind: str, offloaded: dict | None = None) -> PassContext:
         return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args, self.topology,
-                           num_fwd_outputs=self.num_fwd_outputs, offloaded=self.offloaded)
+                           num_fwd_outputs=self.num_fwd_outputs,
+                           offloaded=self.offloaded if offloaded is None else offloaded)
 
     def dumper(self, kind: str):
         return lambda name, gm: self.dump(kind, name, gm)
 
-    def split_passes(self, gm: fx.GraphModule, kind: str, trial: bool = False) -> tuple[fx.GraphModule, PassContext]:
-        pctx = self.pctx(kind)
-        if not trial:
+    def split_passes(self, gm: fx.GraphModule, kind: str, trial: dict | None = None
+                     ) -> tuple[fx.GraphModule, PassContext]:
+        """`trial`: a scratch record of offloaded activations for a trial run on copies (nothing is kept)."""
+        pctx = self.pctx(kind, trial)
+        if trial is None:
             gm.meta["zc_notes"] = list(self.notes)
             self.dump(kind, "input", gm)
-        gm = passes.run_phase("split", gm, pctx, (lambda name, g: None) if trial else self.dumper(kind))
+        gm = passes.run_phase("split", gm, pctx, (lambda name, g: None) if trial is not None else self.dumper(kind))
         collectives.mark_cross_node(gm, self.topology, range(self.ctx.world))
         _set_placeholder_vals(gm, pctx)
         _refresh_meta(gm)
-        if not trial:
+        if trial is None:
             self.final[kind] = gm
         return gm, pctx
 
@@ -134,11 +138,10 @@ class _GraphCompile:
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         headroom = None
         if budget is not None:
-            saved = dict(self.offloaded)
-            lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind, trial=True)[0])
+            scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
+            lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind,
+                                                              trial=scratch)[0])
                      for kind, gm in graphs.items()}
-            self.offloaded.clear()
-            self.offloaded.update(saved)
             peak = planner.step_peak(planner.model_state(list(self.params.values())), lives)
             headroom = max(0, budget - peak)
         chosen, why = planner.choose_persistent(undecided, self.cfg.persist_threshold_bytes, headroom)
@@ -264,7 +267,7 @@ def _stop_planning(args):
 
 _stop_planning._boxed_call = True
 JOBS: list = []  # graphs compiled under dist_context.planning(), for zcompile.plan to read
-_COMPILED: list = []  # every graph compiled for running, for planned_step_peak
+_COMPILED: weakref.WeakSet = weakref.WeakSet()  # graphs compiled for running and still in use (planned_step_peak)
 
 
 def planned_step_peak() -> int:
@@ -298,7 +301,10 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, shard_store.row_multiple(cfg, x))
               for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
     job = _GraphCompile(cfg, ctx, params, len(example_inputs))
-    (JOBS if ctx.planning else _COMPILED).append(job)
+    if ctx.planning:
+        JOBS.append(job)
+    else:
+        _COMPILED.add(job)
     job.dump("dynamo", "input", gm)
     gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 

@@ -326,17 +326,15 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
         raise ConfigError(f"{where}: key 'hpz_partition_size' must be >= 1, got {hpz}")
     if hpz > 1 and stage != 3:
         raise ConfigError(f"{where}: key 'hpz_partition_size' needs stage 3 (only stage 3 re-gathers parameters)")
-    for key, pass_name, on in (("quantize_weights", "quantize_weights", qw is not None),
-                               ("quantize_gradients", "quantize_gradients", qg is not None),
-                               ("hpz_partition_size", "secondary_partition", hpz > 1)):
-        if on and raw.get("pipeline") is not None and pass_name not in raw["pipeline"]:
-            raise ConfigError(f"{where}: key '{key}' is set but the 'pipeline' lacks the {pass_name} pass")
     rpn = raw.get("ranks_per_node")
     if rpn is not None and rpn < 1:
         raise ConfigError(f"{where}: key 'ranks_per_node' must be positive, got {rpn}")
     offload = _offload(raw.get("offload"), stage, where)
     tiling = _tiling(raw.get("tiling"), stage, where)
-    for key, pass_name, on in (("offload.params", "offload_params", offload.params != "none"),
+    for key, pass_name, on in (("quantize_weights", "quantize_weights", qw is not None),
+                               ("quantize_gradients", "quantize_gradients", qg is not None),
+                               ("hpz_partition_size", "secondary_partition", hpz > 1),
+                               ("offload.params", "offload_params", offload.params != "none"),
                                ("offload.activations", "offload_activations", offload.activations != "none"),
                                ("tiling", "tile_linears", tiling is not None)):
         if on and raw.get("pipeline") is not None and pass_name not in raw["pipeline"]:

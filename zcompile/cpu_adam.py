@@ -34,22 +34,23 @@ class CPUAdam(torch.optim.Optimizer):
 
     # -- NVMe moments
     @staticmethod
-    def _name(p: torch.Tensor) -> str:
-        zp = shard_store.owner(p)  # files are per process: any name unique within it will do
-        return f"adam{zp.key}" if zp is not None else f"adam_id{id(p)}"
+    def moment_files(p: torch.Tensor) -> tuple[str, str]:
+        """Names of the NVMe files of p's two moments (per process: any name unique within it will do)."""
+        zp = shard_store.owner(p)
+        base = f"adam{zp.key}" if zp is not None else f"adam_id{id(p)}"
+        return base + "_m", base + "_v"
 
     def _write(self, p, m, v, nvme=None) -> None:
         nvme = nvme or self.nvme
-        nvme.write(self._name(p) + "_m", m)
-        nvme.write(self._name(p) + "_v", v)
+        m_file, v_file = self.moment_files(p)
+        nvme.write(m_file, m)
+        nvme.write(v_file, v)
         self.state[p]["on_nvme"] = True
 
     def _read(self, p) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.state[p].get("on_nvme"):
             return torch.zeros_like(p, memory_format=torch.preserve_format), torch.zeros_like(p)
-        n = p.numel()
-        return (self.nvme.read(self._name(p) + "_m", n, torch.float32).view_as(p),
-                self.nvme.read(self._name(p) + "_v", n, torch.float32).view_as(p))
+        return tuple(self.nvme.read(f, p.numel(), torch.float32).view_as(p) for f in self.moment_files(p))
 
     def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         chunks, size = [[]], 0

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from zcompile import nvme_files, planner, shard_store
+from zcompile.cpu_adam import CPUAdam
 
 
 def expected_bytes(stage: int, P: int, N: int, persistent: int = 0) -> int:
@@ -82,7 +83,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
             param_b += _nbytes(zp.shard)
         elif zp.stage == 3:
             host_b += _nbytes(zp.shard) if zp.param_tier == "cpu" else 0
-            nvme_b += _file_bytes(zp, f"param{zp.key}")
+            nvme_b += _file_bytes(zp, zp.param_file)
         else:
             param_b += _nbytes(p)
         if zp.param_tier == "device":
@@ -98,7 +99,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
             optim_b += state
         else:
             host_b += state
-            nvme_b += _file_bytes(zp, f"adam{zp.key}_m") + _file_bytes(zp, f"adam{zp.key}_v")
+            nvme_b += sum(_file_bytes(zp, f) for f in CPUAdam.moment_files(zp.optimizer_tensor()))
     stage, world = zps[0].stage, zps[0].world
     persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
     secondary = sum(_nbytes(zp._secondary) for zp in zps)
@@ -110,7 +111,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
 
 
 def _file_bytes(zp, name: str) -> int:
-    """Payload bytes of an NVMe-tier file (its header says how many)."""
+    """Bytes of an NVMe-tier file less its 4 KiB header (the payload, rounded up to 4 KiB)."""
     if zp.nvme is None or not os.path.exists(zp.nvme.file(name)):
         return 0
     return max(0, os.path.getsize(zp.nvme.file(name)) - nvme_files.BLOCK)

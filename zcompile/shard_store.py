@@ -122,13 +122,18 @@ class ShardedParam:
             self.optim_tier = "device"
 
     # -- offload tiers
+    @property
+    def param_file(self) -> str:
+        """Name of the NVMe file of this rank's shard (param_tier 'nvme')."""
+        return f"param{self.key}"
+
     def spill(self) -> None:
         """NVMe tier: write the shard's values to its file and free its storage (the tensor keeps its shape)."""
-        self.nvme.write(f"param{self.key}", self.shard.detach())
+        self.nvme.write(self.param_file, self.shard.detach())
         self.shard.untyped_storage().resize_(0)
 
     def read_nvme(self) -> torch.Tensor:
-        return self.nvme.read(f"param{self.key}", self.shard_numel, self.dtype)
+        return self.nvme.read(self.param_file, self.shard_numel, self.dtype)
 
     def materialize(self) -> None:
         """NVMe tier: bring the shard's values back into its own storage (for the optimizer step, checkpoints)."""
@@ -259,10 +264,10 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is already sharded for stage {zp.stage} "
                                f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
                                f"{ctx.world} ranks")
-        tiers = offload.params if offload is not None and stage == 3 else "none"
-        if not ctx.planning and (zp.param_tier if zp.param_tier != "device" else "none") != tiers:
+        tier = _tier(offload.params if offload is not None and stage == 3 else "none")
+        if not ctx.planning and zp.param_tier != tier:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} has its shard in tier {zp.param_tier!r}; "
-                               f"a compile asks for offload.params {tiers!r}: use one config per model (and pass "
+                               f"a compile asks for tier {tier!r}: use one config per model (and pass "
                                "it to load_checkpoint(..., config=) when loading before the first forward)")
         if zp.row_multiple != row_multiple and not ctx.planning:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is sharded "

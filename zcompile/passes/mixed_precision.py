@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from zcompile.passes import placement
+
 
 def _is_user_input(node: fx.Node) -> bool:
     arg = node.meta.get("grapharg")
@@ -35,11 +37,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
             continue
         # at the first use, not at the top: shard_params gathers a parameter where its cast is, and every cast at
         # the top would gather the whole model before the first layer runs
-        with graph.inserting_before(min(users, key=order.get)):
-            cast = graph.call_method("to", (ph, dtype))
+        cast = placement.at_first_use(graph, ph, users, order, lambda: graph.call_method("to", (ph, dtype)))
         cast.meta["zc_note"] = f"mixed_precision: compute in {dtype}"
-        for u in users:
-            u.replace_input_with(ph, cast)
     out = graph.output_node()
     outs = out.args[0]
     new_outs = []

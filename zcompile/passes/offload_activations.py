@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import offload_engine  # noqa: F401  (registers the zcompile:: ops)
+from zcompile.passes import placement
 
 
 def _offload_saved(gm: fx.GraphModule, pctx) -> None:
@@ -44,11 +45,9 @@ def _reload_saved(gm: fx.GraphModule, pctx) -> None:
         users = [u for u in ph.users if u.op != "output"]
         if not users:
             continue
-        with graph.inserting_before(min(users, key=order.get)):
-            reload = graph.call_function(torch.ops.zcompile.to_device.default, (ph, pctx.dist.device))
+        reload = placement.at_first_use(graph, ph, users, order, lambda: graph.call_function(
+            torch.ops.zcompile.to_device.default, (ph, pctx.dist.device)))
         reload.meta["zc_note"] = f"reload saved activation {ph.name} ({pctx.offloaded[ph.name]} B) from the host"
-        for u in users:
-            u.replace_input_with(ph, reload)
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:

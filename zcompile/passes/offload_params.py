@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import offload_engine  # noqa: F401  (registers the zcompile:: ops)
+from zcompile.passes import placement
 
 
 def _gradients_to_host(gm: fx.GraphModule, pctx) -> None:
@@ -45,15 +46,11 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         users = [u for u in ph.users if u.op != "output"]
         if not users:
             continue
-        with graph.inserting_before(min(users, key=order.get)):
-            if zp.param_tier == "cpu":
-                reload = graph.call_function(torch.ops.zcompile.to_device.default, (ph, device))
-            else:
-                reload = graph.call_function(torch.ops.zcompile.read_shard.default, (ph, zp.key, device))
+        op, args = ((torch.ops.zcompile.to_device.default, (ph, device)) if zp.param_tier == "cpu" else
+                    (torch.ops.zcompile.read_shard.default, (ph, zp.key, device)))
+        reload = placement.at_first_use(graph, ph, users, order, lambda: graph.call_function(op, args))
         reload.meta["zc_note"] = (f"reload shard of param {list(zp.shape)} from {zp.param_tier} "
                                   f"({zp.shard_numel * zp.dtype.itemsize} B) for its all-gather")
-        for u in users:
-            u.replace_input_with(ph, reload)
         moved[zp.param_tier] += 1
     if pctx.kind == "backward" and device.type != "cpu":
         _gradients_to_host(gm, pctx)

@@ -1,4 +1,5 @@
-"""Moving nodes earlier in an FX graph together with what they depend on (used to issue collectives early)."""
+"""Placing nodes in an FX graph: moving them earlier together with what they depend on (to issue collectives
+early), and putting a node that transforms a value right before that value's first use."""
 from __future__ import annotations
 
 import torch.fx as fx
@@ -25,3 +26,13 @@ def hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> None:
         before = latest.next
     if before is not node:
         before.prepend(node)
+
+
+def at_first_use(graph: fx.Graph, node: fx.Node, users: list[fx.Node], order: dict, make) -> fx.Node:
+    """Insert `make()` (a node computed from `node`: a cast, a reload) right before the first of `users` in
+    `order`, and make every one of `users` read it instead of `node`."""
+    with graph.inserting_before(min(users, key=order.get)):
+        new = make()
+    for u in users:
+        u.replace_input_with(node, new)
+    return new

@@ -39,15 +39,20 @@ def _in_dtype(graph: fx.Graph, g: fx.Node, dtype: torch.dtype) -> fx.Node:
     return graph.call_function(prims.convert_element_type.default, (g, dtype))
 
 
+def _scaled(graph: fx.Graph, g: fx.Node, rdtype: torch.dtype, world: int, flat: bool) -> fx.Node:
+    """g / world in the reduce dtype; contiguous when it is to be flattened."""
+    val = g.meta.get("val")
+    g = _in_dtype(graph, g, rdtype)
+    if flat and val is not None and not val.is_contiguous():
+        g = graph.call_function(aten.clone.default, (g,), {"memory_format": torch.contiguous_format})
+    return graph.call_function(aten.mul.Tensor, (g, 1.0 / world))
+
+
 def _reduce(graph: fx.Graph, g: fx.Node, zp, pctx) -> fx.Node:
     """Reduction chain inserted at the current point; returns its wait node."""
     rdtype = pctx.cfg.mixed_precision.reduce_dtype
     world, group = pctx.dist.world, pctx.dist.group_name
-    val = g.meta.get("val")
-    g = _in_dtype(graph, g, rdtype)
-    if pctx.cfg.stage >= 2 and val is not None and not val.is_contiguous():
-        g = graph.call_function(aten.clone.default, (g,), {"memory_format": torch.contiguous_format})
-    scaled = graph.call_function(aten.mul.Tensor, (g, 1.0 / world))
+    scaled = _scaled(graph, g, rdtype, world, flat=pctx.cfg.stage >= 2)
     if pctx.cfg.stage < 2:
         why = f"backward: average grad {list(zp.shape)} over {world} ranks (replicated)"
         out = collectives.all_reduce(graph, scaled, zp.numel, rdtype, group, why)
@@ -69,10 +74,7 @@ def _reduce_tiles(graph: fx.Graph, g: fx.Node, i: int, zp, pctx) -> fx.Node:
     waits = []
     for t, gt in enumerate(tiles):
         with graph.inserting_before(gt.next):
-            flat = _in_dtype(graph, gt, rdtype)
-            flat = graph.call_function(aten.clone.default, (flat,), {"memory_format": torch.contiguous_format})
-            flat = graph.call_function(aten.mul.Tensor, (flat, 1.0 / world))
-            flat = graph.call_function(aten.view.default, (flat, [numel]))
+            flat = graph.call_function(aten.view.default, (_scaled(graph, gt, rdtype, world, flat=True), [numel]))
             why = (f"backward: average grad tile {t}/{len(tiles)} of {list(zp.shape)} over {world} ranks, keep "
                    f"{numel // world} of its elements")
             wait = collectives.reduce_scatter(graph, flat, numel, rdtype, world, group, why)
@@ -92,29 +94,24 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     grads = list(out.args[0])
     if len(grads) < pctx.num_args:
         raise RuntimeError(f"backward graph returns {len(grads)} gradients for {pctx.num_args} inputs")
-    old = list(grads)
+    tiled = []
     for i, zp in pctx.params.items():
         g = grads[i]
         if g is None:
             continue
-        if (g.target is torch.ops.zcompile.weight_tiles_grad.default and pctx.cfg.stage == 3
-                and not zp.keeps_full):
-            wait = _reduce_tiles(graph, g, i, pctx.params[i], pctx)
-            if pctx.cfg.mixed_precision.reduce_dtype != zp.dtype:
-                with graph.inserting_before(out):
-                    wait = graph.call_function(prims.convert_element_type.default, (wait, zp.dtype))
-            grads[i] = wait
-            continue
-        with graph.inserting_before(g.next):  # as soon as the gradient exists
-            wait = _reduce(graph, g, zp, pctx)
-        out.prepend(wait)  # collectives.limit_in_flight pulls it up to the next reduction
+        if g.target is torch.ops.zcompile.weight_tiles_grad.default and pctx.cfg.stage == 3 and not zp.keeps_full:
+            wait = _reduce_tiles(graph, g, i, zp, pctx)
+            tiled.append(g)
+        else:
+            with graph.inserting_before(g.next):  # as soon as the gradient exists
+                wait = _reduce(graph, g, zp, pctx)
+            out.prepend(wait)  # collectives.limit_in_flight pulls it up to the next reduction
         if pctx.cfg.mixed_precision.reduce_dtype != zp.dtype:
             with graph.inserting_before(out):
                 wait = graph.call_function(prims.convert_element_type.default, (wait, zp.dtype))
         grads[i] = wait
     out.args = (type(out.args[0])(grads),)
-    for g in old:
-        if g is not None and g.target is torch.ops.zcompile.weight_tiles_grad.default and not g.users:
-            graph.erase_node(g)
+    for g in tiled:  # its tiles were reduced one by one; the stacked gradient is never built
+        graph.erase_node(g)
     collectives.limit_in_flight(graph, ("reduce_scatter", "all_reduce"))
     return gm
