@@ -5,9 +5,10 @@ world size and dtype. Each system runs in fresh processes.
     python bench/compare.py --world 1 --model gpt --device cuda        # one GPU, NCCL
 
 Reports per system: median step time (after warm-up), ratio to zcompile stage 3, per-rank peak RSS (VmHWM over the
-timed steps, malloc's mmap threshold pinned to 1 MiB), model-state bytes (unique storages of parameters, gradients and
-optimizer state on rank 0), collective bytes per step, compile (first-step) time, final loss; GPU peak memory and
-tokens/s on CUDA. Writes a Markdown table, a JSON file and a PNG plot.
+timed steps, malloc's mmap threshold pinned to 1 MiB), per-rank peak tensor bytes (CPU: zcompile.step_tensor_peak, live
+storages at a step's start plus the CPU allocator's highest rise in the step; CUDA: max_memory_allocated), model-state
+bytes (unique storages of parameters, gradients and optimizer state on rank 0), collective bytes per step, compile
+(first-step) time, final loss; tokens/s. Writes a Markdown table, a JSON file and a PNG plot.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from zcompile.launch import WorkerFailed, run_world  # noqa: E402
 from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ["ddp", "fsdp2", "fsdp2_compile", "deepspeed_z3", "zcompile_z1", "zcompile_z2", "zcompile_z3"]
-SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_no_prefetch"]  # --systems all adds these
+# --systems all adds these: the scheduling passes off or retuned,
+SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_1mb_buckets", "zcompile_z3_no_prefetch"]
 ZEROPP = ["zcompile_z3_zeropp"]  # and this (bench/zeropp.py compares convergence and cross-node bytes)
 OFFLOAD = ["zcompile_z3_offload"]  # and this (bench/offload.py: tiers, NVMe, overlap)
 LR = 1e-3
@@ -131,7 +133,10 @@ def _plain_step(model, opt, params_fn):
 def setup_ddp(model, world, device, args):
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return _plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), ddp.parameters)
+    step = _plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), ddp.parameters)
+    # the reducer's gradient buckets live in C++ only, out of reach of a scan of the Python heap
+    step.hidden_bytes = lambda: sum(int(b) for b in ddp._get_ddp_logging_data()["bucket_sizes"].split(","))
+    return step
 
 
 def _fsdp2(model, world, device, compiled):
@@ -207,6 +212,7 @@ SETUP = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_compile": setup_fsdp2_co
          "zcompile_z3": _zcompile(3),
          # the scheduling passes switched off, for their before/after
          "zcompile_z3_unbucketed": _zcompile(3, bucket_mb=0, prefetch=0),
+         "zcompile_z3_1mb_buckets": _zcompile(3, bucket_mb=1),  # about one block's parameters, as FSDP2 wraps them
          "zcompile_z3_no_prefetch": _zcompile(3, prefetch=0),
          "zcompile_z3_zeropp": setup_zeropp,
          # ZeRO-Infinity on host memory: the state column then counts only what stays on the device
@@ -242,8 +248,16 @@ def worker(rank: int, world: int, system: str, args) -> dict:
         losses.append(loss)
     rss = peak_rss_mib()
     gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    # one more step for the accounting: state bytes and communicated bytes
     n = args.warmup + args.steps
+    # tensor peak on CPU: live storages at a step's start + the allocator's highest rise in it
+    # (zcompile/allocator_peak.py); taken before the accounting step, after which DDP (run under a dispatch mode) keeps a gradient-sized list alive
+    tensor = None
+    if device.type == "cpu":
+        steps = iter(range(n, n + 3))
+        tensor = zcompile.step_tensor_peak(lambda: timed(next(steps)), repeats=3,
+                           hidden_bytes=getattr(step, "hidden_bytes", lambda: 0)())
+        n += 3
+    # one more step for the accounting: state bytes and communicated bytes
     if system.startswith("zcompile"):
         zcompile.reset_traffic()
         _, _, state = timed(n, measure=True)
@@ -254,8 +268,8 @@ def worker(rank: int, world: int, system: str, args) -> dict:
         comm = counter.bytes
     median = statistics.median(times)
     return {"system": system, "median_step_s": median, "compile_s": max(first - median, 0.0), "peak_rss_mib": rss,
-            "gpu_peak_mib": gpu_peak, "state_bytes": state, "comm_bytes": comm, "final_loss": losses[-1],
-            "losses": losses, "num_params": num_params,
+            "gpu_peak_mib": gpu_peak, "tensor_peak": tensor, "state_bytes": state, "comm_bytes": comm,
+            "final_loss": losses[-1], "losses": losses, "num_params": num_params,
             "tokens_per_s": world * args.micro * args.seq / median}
 
 
@@ -269,6 +283,8 @@ def run_system(system: str, args) -> dict:
         return {"system": system, "error": last}
     r0 = results[0]
     r0["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in results)
+    if r0["tensor_peak"] is not None:
+        r0["tensor_peak_mib_max"] = max(r["tensor_peak"]["peak"] for r in results) / 2**20
     return r0
 
 
@@ -276,18 +292,20 @@ def markdown(rows: list[dict], args, header: str) -> str:
     base = next((r for r in rows if r["system"] == "zcompile_z3" and "error" not in r), None)
     out = [header, "",
            "| system | median step (ms) | vs zcompile z3 | tokens/s | peak RSS / rank (MiB) | "
-           + ("GPU peak (MiB) | " if args.device == "cuda" else "")
+           + ("GPU peak (MiB) | " if args.device == "cuda" else "tensor peak / rank (MiB) | ")
            + "model-state bytes / rank (MiB) | comm / step (MiB) | compile (s) | final loss |",
-           "|---|---:|---:|---:|---:|" + ("---:|" if args.device == "cuda" else "") + "---:|---:|---:|---:|"]
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['system']} | failed: {r['error'][:150]} |")
             continue
         ratio = r["median_step_s"] / base["median_step_s"] if base else float("nan")
-        gpu = f" {r['gpu_peak_mib']:.0f} |" if args.device == "cuda" else ""
+        tensor = r.get("tensor_peak_mib_max")
+        peak = f" {r['gpu_peak_mib']:.0f} |" if args.device == "cuda" else \
+            (f" {tensor:.1f} |" if tensor is not None else " n/a |")
         state = f"{r['state_bytes'] / 2**20:.2f}" if r["state_bytes"] is not None else "n/a"
         out.append(f"| {r['system']} | {r['median_step_s'] * 1e3:.1f} | {ratio:.2f}x | {r['tokens_per_s']:.0f} | "
-                   f"{r['peak_rss_mib_max']:.0f} |{gpu} {state} | {r['comm_bytes'] / 2**20:.2f} | "
+                   f"{r['peak_rss_mib_max']:.0f} |{peak} {state} | {r['comm_bytes'] / 2**20:.2f} | "
                    f"{r['compile_s']:.1f} | {r['final_loss']:.4f} |")
     return "\n".join(out) + "\n"
 
@@ -305,8 +323,12 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     a.barh(names, [r["median_step_s"] * 1e3 for r in ok])
     a.set_xlabel("median step (ms)")
+    peak = [r.get("tensor_peak_mib_max") or r.get("gpu_peak_mib") for r in ok]
+    if all(p is not None for p in peak):
+        b.barh(names, peak, color="lightgray", label="peak tensor bytes")
     b.barh(names, [(r["state_bytes"] or 0) / 2**20 for r in ok], label="model state")
-    b.set_xlabel("model-state bytes per rank (MiB)")
+    b.set_xlabel("per rank (MiB)")
+    b.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -323,7 +345,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, or 'all' (adds the zcompile "
-                    "stage-3 variants without bucketing / prefetch, and with ZeRO++ on two simulated nodes)")
+                    "stage-3 variants without bucketing / prefetch or with 1 MiB buckets, with ZeRO++ on two simulated "
+                    "nodes, and with offload to host memory)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--merge", action="store_true", help="replace only these systems' rows in an existing result")

@@ -21,8 +21,16 @@ def test_compare_runs_and_systems_agree(tmp_path):
     assert rows["fsdp2"]["losses"] == pytest.approx(rows["ddp"]["losses"], abs=1e-4)
     # ZeRO-3 holds half the model state of DDP at 2 ranks
     assert rows["zcompile_z3"]["state_bytes"] == pytest.approx(rows["ddp"]["state_bytes"] / 2, rel=0.01)
+    # tensor peaks: at a step's start DDP holds whole parameters, moments and its gradient buckets (4P floats),
+    # the sharded systems 3P/2 (gradients are freed by zero_grad); activations come on top
+    p_bytes = rows["ddp"]["num_params"] * 4
+    assert rows["ddp"]["tensor_peak"]["start"] >= 4 * p_bytes
+    for name in ("fsdp2", "zcompile_z3"):
+        assert 1.4 * p_bytes < rows[name]["tensor_peak"]["start"] < 2 * p_bytes, rows[name]["tensor_peak"]
+    for r in rows.values():
+        assert r["tensor_peak"]["rise"] > 0 and r["tensor_peak_mib_max"] * 2**20 >= r["tensor_peak"]["peak"]
     md = (tmp_path / "gpt-small-cpu-w2.md").read_text()
-    assert "| zcompile_z3 |" in md and "1.00x" in md
+    assert "| zcompile_z3 |" in md and "1.00x" in md and "tensor peak / rank (MiB)" in md
 
 
 def test_offload_bench_reports_tiers_and_keeps_the_loss(tmp_path):

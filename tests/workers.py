@@ -318,3 +318,12 @@ def train_measured(rank: int, world: int, name: str, config: dict, steps: int = 
         _, _, last = train(rank, world, name, config, 1, model=model, opt=opt, start=steps - 1)
     return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses + last,
             "peaks": {r.kind: (r.planned_peak, r.measured_peak) for r in runs}}
+
+
+def allocator_peaks(rank: int, world: int, name: str, config: dict) -> dict:
+    """Train 3 steps; then the allocator-measured tensor peak of 3 more, and the planner's step peak."""
+    model, opt, _ = train(rank, world, name, config, 3)
+    steps = iter(range(3, 6))
+    measured = zcompile.step_tensor_peak(lambda: train(rank, world, name, config, 1, model=model, opt=opt,
+                                                       start=next(steps)))
+    return {"measured": measured, "planned": zcompile.planned_step_peak()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from zcompile.allocator_peak import step_tensor_peak
 from zcompile.backend import MemoryBudgetError, ZCompileError, planned_step_peak, zero_backend
 from zcompile.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.collectives import reset_traffic, traffic
@@ -25,7 +26,7 @@ from zcompile.schedule_check import ScheduleMismatch
 __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
            "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
-           "reset_offload_traffic", "planned_step_peak"]
+           "reset_offload_traffic", "planned_step_peak", "step_tensor_peak"]
 __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):
