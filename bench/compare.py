@@ -31,7 +31,7 @@ from zcompile.launch import WorkerFailed, run_world  # noqa: E402
 from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ["ddp", "fsdp2", "fsdp2_compile", "deepspeed_z3", "zcompile_z1", "zcompile_z2", "zcompile_z3"]
-# --systems all adds these: the scheduling passes off or retuned,
+# --systems all adds these: the scheduling passes off or retuned, ZeRO++ and offload
 SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_1mb_buckets", "zcompile_z3_no_prefetch"]
 ZEROPP = ["zcompile_z3_zeropp"]  # and this (bench/zeropp.py compares convergence and cross-node bytes)
 OFFLOAD = ["zcompile_z3_offload"]  # and this (bench/offload.py: tiers, NVMe, overlap)
@@ -250,12 +250,13 @@ def worker(rank: int, world: int, system: str, args) -> dict:
     gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     n = args.warmup + args.steps
     # tensor peak on CPU: live storages at a step's start + the allocator's highest rise in it
-    # (zcompile/allocator_peak.py); taken before the accounting step, after which DDP (run under a dispatch mode) keeps a gradient-sized list alive
+    # (zcompile/allocator_peak.py); taken before the accounting step, after which DDP (run under a dispatch mode)
+    # keeps a gradient-sized list alive
     tensor = None
     if device.type == "cpu":
         steps = iter(range(n, n + 3))
         tensor = zcompile.step_tensor_peak(lambda: timed(next(steps)), repeats=3,
-                           hidden_bytes=getattr(step, "hidden_bytes", lambda: 0)())
+                                           hidden_bytes=getattr(step, "hidden_bytes", lambda: 0)())
         n += 3
     # one more step for the accounting: state bytes and communicated bytes
     if system.startswith("zcompile"):
