@@ -19,29 +19,27 @@ from typing import Callable, Iterable
 
 import torch
 from torch._C._profiler import _EventType
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import ProfilerActivity, profile
+
+from zcompile.memory_trace import LiveStorageTracker
 
 
 def live_tensor_bytes() -> int:
     """Bytes of the distinct CPU storages of every tensor the Python heap references."""
     gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        # issubclass(type(...)): isinstance would touch __class__ of every object, some of which warn
-        if not issubclass(type(obj), torch.Tensor) or obj.device.type != "cpu" or _owns_no_memory(obj):
-            continue
-        storage = obj.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+    # issubclass(type(...)): isinstance would touch __class__ of every object, some of which warn
+    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu"
+               and not _owns_no_memory(obj)]
+    tracker = LiveStorageTracker()
+    tracker.track(tensors)
+    return tracker.bytes
 
 
 def _owns_no_memory(t: torch.Tensor) -> bool:
     # fake tensors (dynamo's caches) and wrapper subclasses such as DTensor; their inner tensors are counted themselves
     if type(t) in (torch.Tensor, torch.nn.Parameter):
         return False
-    from torch._subclasses.fake_tensor import FakeTensor
     return isinstance(t, FakeTensor) or torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
