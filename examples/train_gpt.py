@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = zcompile.config.load(args.config)  # fail fast on a bad config, before any process group work
-    ctx = zcompile.init_distributed("nccl" if args.device == "cuda" else "gloo", timeout_s=cfg.collective_timeout_s)
+    ctx = zcompile.init_distributed("nccl" if args.device == "cuda" else "gloo", config=cfg)
     device = ctx.device
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4,
@@ -79,7 +79,10 @@ def main() -> None:
     data = batches(load_corpus(args.data).to(device), args.batch, args.block, ctx.rank, ctx.world, seed=1)
 
     times, losses = [], []
-    bar = tqdm(range(args.steps), disable=ctx.rank != 0, desc=f"zero-{cfg.stage} x{ctx.world}")
+    say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    say(f"zero-{cfg.stage} on {ctx.world} rank(s), {sum(p.numel() for p in model.parameters()):,} parameters: "
+        f"compiling the model in the first step ({cfg.backend}; about a minute on 2 CPU cores)...", flush=True)
+    bar = tqdm(range(args.steps), disable=ctx.rank != 0, desc=f"zero-{cfg.stage} x{ctx.world}", delay=0.1)
     for step in bar:
         x, y = next(data)
         t0 = time.perf_counter()
@@ -94,6 +97,8 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if step == 0 and ctx.rank == 0:
+            bar.write(f"compiled and ran the first step in {times[0]:.1f} s")
         bar.set_postfix(loss=f"{losses[-1]:.3f}", step_ms=f"{times[-1] * 1e3:.0f}")
 
     steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
@@ -101,7 +106,7 @@ def main() -> None:
     lines = [None] * ctx.world
     dist.all_gather_object(lines, f"{report}\n[rank {ctx.rank}] peak RSS {peak_rss_mib():.0f} MiB{gpu}")
     if ctx.rank == 0:
-        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; first step (compile) {times[0]:.1f} s, "
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; compile (first step) {times[0]:.1f} s, "
               f"median step {steady * 1e3:.1f} ms")
         print("\n".join(lines))
         if args.json:

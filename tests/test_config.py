@@ -27,6 +27,19 @@ def write(tmp_path, text):
     ("pipeline: [shard_params, tag_param_recompute, reduce_grads]\n", ["pipeline", "phase order"]),
     ("pipeline: [reduce_grads, magic]\n", ["pipeline", "unknown pass", "magic"]),
     ("stage: [3\n", ["not valid YAML"]),
+    ("stage: 3\nbucket_mb: 1\nstage: 2\n", ["key 'stage' is given twice", "lines 1 and 3"]),
+    ("offload: {optimizer: cpu, optimizer: nvme}\nstage: 3\n", ["key 'optimizer' is given twice"]),
+    ("bucket_mb: .nan\n", ["'bucket_mb'", "finite"]),
+    ("collective_timeout_s: .inf\n", ["'collective_timeout_s'", "finite"]),
+    ("collective_timeout_s: .nan\n", ["'collective_timeout_s'", "finite"]),
+    ("persist_threshold: -64KiB\n", ["'persist_threshold'", "non-negative"]),
+    ("memory_budget: -4GiB\n", ["'memory_budget'", "non-negative"]),
+    ("memory_budget: infGiB\n", ["'memory_budget'", "finite"]),
+    ("memory_budget: .inf\n", ["'memory_budget'", "finite"]),
+    ("stage: 3\noffload: {activations: cpu, activation_min_bytes: 1e400MiB}\n",
+     ["'offload.activation_min_bytes'", "finite"]),
+    ("stage: 3\ntiling: {min_bytes: 1e30GiB}\n", ["'tiling.min_bytes'", "8 EiB"]),
+    ("nonfinite: ignore\n", ["'nonfinite'", "'skip'"]),
 ])
 def test_bad_config_names_key_and_file(tmp_path, text, words):
     path = write(tmp_path, text)
@@ -61,15 +74,25 @@ def test_defaults():
 
 
 def test_bad_config_fails_at_first_forward_without_training(tmp_path):
-    """Through torch.compile: the first call raises the config error and the parameters are untouched."""
+    """Through torch.compile: the first call raises zcompile.ConfigError itself (not dynamo's wrapper, so a user's
+    `except zcompile.ConfigError` fires) and the parameters are untouched."""
     path = write(tmp_path, "stage: 5\n")
     model = torch.nn.Linear(4, 4)
     before = model.weight.detach().clone()
     compiled = torch.compile(model, backend="zero", options={"config": path})
-    with pytest.raises(Exception) as e:
+    with pytest.raises(zcompile.ConfigError) as e:
         compiled(torch.randn(2, 4))
     assert "stage" in str(e.value) and path in str(e.value)
     assert torch.equal(model.weight.detach(), before)
+
+
+def test_config_is_frozen_per_options_object():
+    from zcompile.backend import frozen_config
+    options = {"config": {"stage": 2}}
+    first = frozen_config(options)
+    options["config"]["stage"] = 3  # a later edit is not seen by recompiles of the same torch.compile call
+    assert frozen_config(options) is first and first.stage == 2
+    assert frozen_config({"config": {"stage": 3}}).stage == 3  # another torch.compile call reads its own
 
 
 def test_no_process_group_is_a_clear_error():

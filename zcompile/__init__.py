@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from zcompile.allocator_peak import step_tensor_peak
-from zcompile.backend import MemoryBudgetError, ZCompileError, planned_step_peak, zero_backend
+from zcompile.backend import planned_step_peak, zero_backend
 from zcompile.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.collectives import reset_traffic, traffic
-from zcompile.config import Config, ConfigError
+from zcompile.config import Config
+from zcompile.errors import (ConfigError, MemoryBudgetError, NonFiniteGradients, PeerTimeout, ScheduleMismatch,
+                             ZCompileError, ZeroError)
 from zcompile.cpu_adam import CPUAdam
 from zcompile.nvme_files import OffloadFileError
 from zcompile.offload_engine import offload_traffic, reset_offload_traffic
@@ -21,12 +23,12 @@ from zcompile.dist_context import init_distributed
 from zcompile.grad_clip import clip_grad_norm_
 from zcompile.memory_trace import measure_memory
 from zcompile.report import memory_report
-from zcompile.schedule_check import ScheduleMismatch
 
 __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
            "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
-           "reset_offload_traffic", "planned_step_peak", "step_tensor_peak"]
+           "reset_offload_traffic", "planned_step_peak", "step_tensor_peak", "ZeroError", "PeerTimeout",
+           "NonFiniteGradients"]
 __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):

@@ -22,10 +22,11 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import _disable_current_modes
 
-from zcompile import (backends, collectives, config as zconfig, liveness, memory_trace, offload_engine, passes, planner,
-                      schedule_check, shard_store, timeline)
-from zcompile.dist_context import DistContext
+from zcompile import (backends, collectives, config as zconfig, liveness, memory_trace, nonfinite, offload_engine, passes,
+                      planner, schedule_check, shard_store, timeline)
+from zcompile.dist_context import DistContext, set_group_timeout
 from zcompile.dump import GraphDumper
+from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
 from zcompile.pass_context import PassContext
 from zcompile.passes import placement
 from zcompile.topology import Topology
@@ -88,8 +89,9 @@ class _GraphCompile:
     """One dynamo graph's trip through the passes and the compiler."""
 
     def __init__(self, cfg: zconfig.Config, ctx: DistContext, params: dict[int, shard_store.ShardedParam],
-                 num_args: int):
+                 num_args: int, identity: int = 0, inputs_text: str = ""):
         self.cfg, self.ctx, self.params, self.num_args = cfg, ctx, params, num_args
+        self.identity, self.inputs_text = identity, inputs_text  # schedule_check.graph_identity; what the inputs are
         self.graph_id = next(_graph_ids)
         self.topology = Topology.resolve(ctx.world, cfg.ranks_per_node, cfg.source)
         for zp in params.values():
@@ -202,8 +204,17 @@ class _GraphCompile:
         self.check_budget({"forward": fw, "backward": bw})
         self.dump.schedule({"forward": fw, "backward": bw}, self.cost_model())
         if self.cfg.schedule_check:
-            schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw})
+            schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw}, self.cfg.collective_timeout_s)
         return fw, bw
+
+    def run_check(self, kind: str):
+        """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check)."""
+        if not self.cfg.schedule_check or self.ctx.world == 1:
+            return None
+        identity = schedule_check.digest(self.identity, kind)
+        what = f"the {kind} of graph {self.graph_id} ({self.inputs_text})"
+        return functools.partial(schedule_check.exchange, self.ctx, schedule_check.RUN, identity, what,
+                                 self.cfg.collective_timeout_s)
 
     def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "inference":
@@ -212,7 +223,7 @@ class _GraphCompile:
             self.check_budget({"inference": gm})
             self.dump.schedule({"inference": gm}, self.cost_model())
             if self.cfg.schedule_check:
-                schedule_check.agree(self.ctx, self.graph_id, {"inference": gm})
+                schedule_check.agree(self.ctx, self.graph_id, {"inference": gm}, self.cfg.collective_timeout_s)
         else:
             pctx = self.fw_pctx if kind == "forward" else self.bw_pctx
         # AOTAutograd's example inputs carry the real layout of saved activations; ours, the shards and side inputs.
@@ -230,7 +241,13 @@ class _GraphCompile:
         reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]
         read_ahead = reads if self.cfg.offload.overlap else []
 
+        check = self.run_check(kind)
+        watch_loss = kind == "forward" and self.cfg.nonfinite != "off"
+        zps = list(self.params.values())
+
         def run_graph(args):
+            if check is not None:
+                check()
             collectives.count(sched)
             if reads:
                 offload_engine.start_reads(read_ahead)
@@ -238,8 +255,12 @@ class _GraphCompile:
                 args = list(args)
                 args.extend(s.value() for s in side)
             if memory_trace.RUNS is not None:
-                return memory_trace.run_measured(compiled, args, self.graph_id, kind, planned)
-            return compiled(args)
+                out = memory_trace.run_measured(compiled, args, self.graph_id, kind, planned)
+            else:
+                out = compiled(args)
+            if watch_loss:
+                nonfinite.note_forward(zps, out[:self.num_fwd_outputs or len(out)])
+            return out
 
         run_graph._boxed_call = True
         return run_graph
@@ -251,10 +272,6 @@ def _on_tier(node: fx.Node, example: torch.Tensor) -> torch.Tensor:
         return example
     with detect_fake_mode([example]) or _disable_current_modes():
         return torch.empty_strided(example.shape, example.stride(), dtype=example.dtype, device="cpu")
-
-
-class MemoryBudgetError(RuntimeError):
-    """The planned step does not fit `memory_budget` (the message gives the breakdown and what would help)."""
 
 
 class PlanCaptured(Exception):
@@ -278,29 +295,48 @@ def planned_step_peak() -> int:
     return max(peaks, default=0)
 
 
-class ZCompileError(RuntimeError):
-    """A failure inside the zero backend. Never a silent fallback: eager would run on storage-free stand-ins."""
-
-
 def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
     """The `zero` backend for torch.compile."""
     try:
         return _compile(gm, example_inputs, options, **kwargs)
-    except (zconfig.ConfigError, schedule_check.ScheduleMismatch, PlanCaptured, MemoryBudgetError):
+    except (ZeroError, PlanCaptured):
         raise
     except Exception as e:
         # dynamo turns some exception types into a graph break that runs eager code; re-raise as our own type.
         raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e
 
 
+_FROZEN: dict[int, tuple[object, zconfig.Config]] = {}  # cache: id(options) -> (options, its Config)
+
+
+def frozen_config(options: dict | None) -> zconfig.Config:
+    """The config of one torch.compile call, read and validated at its first graph and reused by every recompile:
+    torch.compile passes the same `options` object each time, so editing or deleting the YAML mid-run changes
+    nothing. The options object is held so its id stays unique."""
+    if options is None:
+        return zconfig.from_options(None)
+    hit = _FROZEN.get(id(options))
+    if hit is None or hit[0] is not options:
+        hit = _FROZEN[id(options)] = (options, zconfig.from_options(options))
+    return hit[1]
+
+
 def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
     if kwargs:
         raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
-    cfg = zconfig.from_options(options)
+    cfg = frozen_config(options)
     ctx = DistContext.current()
+    set_group_timeout(ctx, cfg.collective_timeout_s)
+    identity = schedule_check.graph_identity(gm, example_inputs, cfg)
+    inputs_text = _inputs_text(example_inputs)
+    if cfg.schedule_check:  # before anything here communicates: a rank compiling alone meets the others' checks
+        schedule_check.exchange(ctx, schedule_check.COMPILE, identity, f"a new graph for {inputs_text}",
+                                cfg.collective_timeout_s)
     params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, shard_store.row_multiple(cfg, x))
               for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
-    job = _GraphCompile(cfg, ctx, params, len(example_inputs))
+    job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text)
+    for zp in params.values():
+        zp.nonfinite = cfg.nonfinite
     if ctx.planning:
         JOBS.append(job)
     else:
@@ -327,6 +363,13 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
 
     run.zc_job = job
     return run
+
+
+def _inputs_text(example_inputs) -> str:
+    """The non-parameter inputs, briefly: 'inputs 2x16 int64, 2x16 int64'."""
+    shown = ["x".join(map(str, x.shape)) + " " + str(x.dtype).removeprefix("torch.")
+             for x in example_inputs if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter)]
+    return "inputs " + (", ".join(shown[:6]) + (", ..." if len(shown) > 6 else "") if shown else "none")
 
 
 def _boxed(job: _GraphCompile, kind: str, gm: fx.GraphModule, example_inputs):

@@ -6,6 +6,7 @@ naming the key and the file, before anything is traced or communicated.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -15,8 +16,7 @@ import yaml
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the key and where it came from."""
+from zcompile.errors import ConfigError  # noqa: F401  (re-exported: zcompile.config.ConfigError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Offload:
     params: str = "none"       # none | cpu | nvme: stage-3 parameter shards off the device, reloaded before gathers
     activations: str = "none"  # none | cpu: saved activations of at least activation_min_bytes
     nvme_path: str | None = None
+    nvme_keep: bool = False    # keep this process's NVMe directory at exit (default: removed)
     activation_min_bytes: int = 1 << 20
     overlap: bool = True       # NVMe reads run ahead on a thread pool (false: read at the reload, for benchmarks)
 
@@ -83,6 +84,7 @@ class Config:
     ranks_per_node: int | None = None
     offload: Offload = Offload()
     tiling: Tiling | None = None
+    nonfinite: str = "off"  # off | warn | skip | error: what optimizer.step() does when any rank's gradients are not finite
     source: str = "<defaults>"
 
     def memory_budget_bytes(self, device: torch.device) -> int | None:
@@ -143,10 +145,15 @@ SCHEMA: dict[str, Any] = {
                               "master and Adam moments live and are stepped"),
         "params": ((str,), "none, cpu or nvme: stage 3 parameter shards off the device, reloaded before gathers"),
         "activations": ((str,), "none or cpu: saved activations of at least activation_min_bytes go to the host"),
-        "nvme_path": ((str, type(None)), "directory for nvme-tier files (a local SSD)"),
+        "nvme_path": ((str, type(None)), "directory for nvme-tier files (a local SSD); each process writes under its "
+                                         "own zcompile-<host>-<pid> subdirectory, so jobs can share it"),
+        "nvme_keep": ((bool,), "keep each process's NVMe directory at exit (default: removed at a clean exit)"),
         "activation_min_bytes": ((str, int), "smallest saved activation to offload: '1MiB' or bytes"),
         "overlap": ((bool,), "NVMe reads run ahead of their use on a thread pool (false: read when needed)"),
     },
+    "nonfinite": ((str,), "off, warn, skip or error: at optimizer.step(), all ranks learn whether any rank's loss or "
+                          "gradients are NaN/inf and warn, skip the step, or raise NonFiniteGradients (one small "
+                          "all-reduce per step when not off)"),
     "tiling": {
         "min_bytes": ((str, int), "a linear whose weight has at least this many bytes is tiled: '64MiB' or bytes"),
         "tiles": ((int,), "tiles per tiled linear (its output features are split this many ways)"),
@@ -164,6 +171,8 @@ def parse_bytes(value, device: torch.device | None = None, where: str = "<config
         return None
     if isinstance(value, bool):
         raise ConfigError(f"{where}: key '{key}' must be a size, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: key '{key}' must be a finite size, got {value!r}")
     if not fraction and value == 0:
         return 0
     if fraction and isinstance(value, float) and 0 < value <= 1:
@@ -179,9 +188,13 @@ def parse_bytes(value, device: torch.device | None = None, where: str = "<config
         for unit in sorted(_UNITS, key=len, reverse=True):
             if text.endswith(unit):
                 try:
-                    return int(float(text[: -len(unit)]) * _UNITS[unit])
+                    number = float(text[: -len(unit)])
                 except ValueError:
                     break
+                if not math.isfinite(number) or number < 0 or number * _UNITS[unit] >= 2**63:
+                    raise ConfigError(f"{where}: key '{key}' must be a finite, non-negative size below 8 EiB, got "
+                                      f"{value!r}")
+                return int(number * _UNITS[unit])
     what = "a byte count or a fraction in (0, 1]" if fraction else "or a byte count"
     raise ConfigError(f"{where}: key '{key}' must be like '12GiB', {what}, got {value!r}")
 
@@ -203,6 +216,8 @@ def _check_section(raw: dict, schema: dict, where: str, prefix: str = "") -> Non
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
             want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ConfigError(f"{where}: key '{name}' must be {want} ({desc}), got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: key '{name}' must be a finite number ({desc}), got {value!r}")
 
 
 def _dtype(value: str, key: str, where: str) -> torch.dtype:
@@ -329,6 +344,9 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     rpn = raw.get("ranks_per_node")
     if rpn is not None and rpn < 1:
         raise ConfigError(f"{where}: key 'ranks_per_node' must be positive, got {rpn}")
+    nonfinite = raw.get("nonfinite", "off")
+    if nonfinite not in ("off", "warn", "skip", "error"):
+        raise ConfigError(f"{where}: key 'nonfinite' must be one of ['off', 'warn', 'skip', 'error'], got {nonfinite!r}")
     offload = _offload(raw.get("offload"), stage, where)
     tiling = _tiling(raw.get("tiling"), stage, where)
     for key, pass_name, on in (("quantize_weights", "quantize_weights", qw is not None),
@@ -349,12 +367,27 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                  collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
                  memory_budget=raw.get("memory_budget"), over_budget=over_budget, persist_threshold=persist, quantize_weights=qw,
                  quantize_gradients=qg, hpz_partition_size=hpz, ranks_per_node=rpn, offload=offload,
-                 tiling=tiling, source=where)
+                 tiling=tiling, nonfinite=nonfinite, source=where)
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:
         raise ConfigError(f"{where}: key 'pipeline': {e}") from None
     return cfg
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 def load(path: str | os.PathLike) -> Config:
@@ -363,7 +396,7 @@ def load(path: str | os.PathLike) -> Config:
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:
         try:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=_StrictLoader)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return from_dict(raw if raw is not None else {}, where=path)

@@ -51,11 +51,16 @@ def planning(world: int, rank: int = 0):
         _PLANNING = previous
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistContext:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None, config=None) -> DistContext:
     """Initialize the default process group from torchrun's environment (or a 1-rank group without one).
 
-    gloo on CPU, NCCL when CUDA is available. The timeout makes a rank whose peers are gone fail instead of hang.
+    gloo on CPU, NCCL when CUDA is available. The timeout makes a rank whose peers are gone fail instead of hang:
+    `timeout_s`, else the `collective_timeout_s` of `config` (a path, a mapping or a Config), else 300 s. Whatever it
+    starts with, the first compile sets the group's timeout to its config's `collective_timeout_s`.
     """
+    if timeout_s is None:
+        from zcompile import config as zconfig
+        timeout_s = zconfig.from_options({"config": config}).collective_timeout_s if config is not None else 300.0
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -73,3 +78,25 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None) -> No
     """Eager all-gather of equal flat shards (outside compiled graphs: optimizer-step refresh, checkpoints)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed after torch 2.11
     gather(output, shard, group=group)
+
+
+def set_group_timeout(ctx: DistContext, seconds: float) -> None:
+    """Make `collective_timeout_s` govern the group zcompile communicates over, however it was created (a group the
+    user made with another timeout gets this one from the first compile on)."""
+    if not ctx.planning and ctx.group is not None:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), ctx.group)
+
+
+_HOST_GROUPS: dict[str, object] = {}  # cache: group name -> a gloo group over the same ranks (NCCL jobs)
+
+
+def host_group(ctx: DistContext, timeout_s: float):
+    """A group that communicates CPU tensors over the same ranks as ctx.group: the group itself under gloo; under
+    NCCL a gloo group made once (every rank reaches it at its first compile), so small checks add no GPU sync."""
+    if dist.get_backend(ctx.group) == "gloo":
+        return ctx.group
+    if ctx.group_name not in _HOST_GROUPS:
+        _HOST_GROUPS[ctx.group_name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    group = _HOST_GROUPS[ctx.group_name]
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+    return group

@@ -15,12 +15,14 @@ import zlib
 
 import torch
 
+from zcompile.errors import ZeroError
+
 BLOCK = 4096
 MAGIC = b"ZCNVME1\n"
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8)}
 
 
-class OffloadFileError(RuntimeError):
+class OffloadFileError(ZeroError):
     """An NVMe-tier file that is missing, truncated or fails its checksum."""
 
 
@@ -55,11 +57,18 @@ def write(path: str, tensor: torch.Tensor, direct: bool = True) -> bool:
     tmp = f"{path}.tmp{os.getpid()}"
     fd, used_direct = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
     try:
-        os.write(fd, memoryview(buf)[: _round_up(BLOCK + nbytes)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(buf)[: _round_up(BLOCK + nbytes)]
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a failed write (disk full, interrupted) leaves the old file and no .tmp
+            os.unlink(tmp)
+        raise
     return used_direct
 
 

@@ -13,9 +13,13 @@ counts as device memory is the copy), which keeps the emulation honest about byt
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
+import errno
 import os
+import shutil
+import socket
 import threading
 
 import torch
@@ -51,11 +55,35 @@ def host_empty(shape, dtype, like: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=like.type == "cuda")
 
 
-# -- NVMe files, one directory per rank
+# -- NVMe files: one directory per process (job-unique), removed at a clean exit
+
+_OWNED: dict[str, bool] = {}  # cache: process directories created here -> keep them at exit
+
+
+def process_dir(root: str, keep: bool = False) -> str:
+    """`root`/zcompile-<host>-<pid>: no other process, of this job or another one pointed at the same nvme_path, ever
+    writes there (file names alone are only unique within a process). Removed at interpreter exit unless `keep`."""
+    path = os.path.join(root, f"zcompile-{socket.gethostname()}-{os.getpid()}")
+    if path not in _OWNED:
+        os.makedirs(path, exist_ok=True)
+        if not _OWNED:
+            atexit.register(remove_process_dirs)
+    _OWNED[path] = _OWNED.get(path, False) or keep
+    return path
+
+
+def remove_process_dirs() -> None:
+    """Delete this process's NVMe directories (not those asked to be kept); runs at a clean exit."""
+    for path, keep in list(_OWNED.items()):
+        if not keep and os.getpid() == int(path.rsplit("-", 1)[1]):
+            shutil.rmtree(path, ignore_errors=True)
+            _OWNED.pop(path)
+
 
 class NvmeDir:
-    def __init__(self, root: str, rank: int):
-        self.path = os.path.join(root, f"rank{rank}")
+    def __init__(self, root: str, rank: int, keep: bool = False):
+        self.root = root
+        self.path = os.path.join(process_dir(root, keep), f"rank{rank}")
         os.makedirs(self.path, exist_ok=True)
         self.direct = True
         self.used_direct = None  # whether the last write used O_DIRECT (None: nothing written yet)
@@ -64,7 +92,17 @@ class NvmeDir:
         return os.path.join(self.path, name + ".zct")
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        self.used_direct = nvme_files.write(self.file(name), t, self.direct)
+        path = self.file(name)
+        try:
+            self.used_direct = nvme_files.write(path, t, self.direct)
+        except OSError as e:
+            tier = "offload.params" if name.startswith("param") else "offload.optimizer"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(self.path).free
+                raise nvme_files.OffloadFileError(
+                    f"{tier}: no space left writing {path} ({_nbytes(t)} bytes; {free} bytes free under "
+                    f"offload.nvme_path {self.root}): free space there or point nvme_path at a larger disk") from None
+            raise nvme_files.OffloadFileError(f"{tier}: cannot write {path}: {e.strerror or e}") from None
         count("cpu->nvme", _nbytes(t))
 
     def read(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:

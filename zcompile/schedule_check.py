@@ -1,32 +1,60 @@
-"""Collective-schedule agreement: ranks compare a hash of their compiled collective sequence before running it.
+"""Ranks agree on what they are about to run before they communicate.
 
-Ranks that compiled different schedules (different graphs, configs or world sizes) would otherwise deadlock or
-exchange mismatched buffers at the first differing collective; here they all fail with a message naming the
-difference.
+Every rank contributes one fixed-size record (`RECORD_BYTES`: what it is doing, a 63-bit identity, a readable line) to
+an all-gather at three points:
+- before it compiles a graph (identity: the dynamo graph's code, its inputs' shapes and dtypes, the config);
+- after compiling, the collective schedule of the result (every collective's op, dtype, elements, bytes, group and
+  the parameters or bucket members it moves, as the passes described them);
+- before every run of a compiled graph (identity: the graph's compile identity and which of its parts runs).
+The record's size never depends on what a rank does, so ranks that diverge (one recompiles for a new shape, takes
+another branch, runs an eval forward alone, read another config) meet in the same exchange and all raise
+ScheduleMismatch naming what each rank was doing, instead of exchanging mismatched buffers (gloo aborts the process)
+or silently mixing different parameters. A peer that never arrives (stopped, hung, exited) fails the exchange after
+the group's timeout (`collective_timeout_s`): PeerTimeout. Records are CPU tensors (under NCCL over a gloo group of
+the same ranks), so the check never waits for the GPU. It costs one 256-byte all-gather per graph run (see
+docs/failure-behaviour.md); `schedule_check: false` turns all of it off.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import collectives
-from zcompile.dist_context import DistContext, all_gather_flat
+from zcompile.dist_context import DistContext, all_gather_flat, host_group
+from zcompile.errors import PeerTimeout, ScheduleMismatch
+
+RECORD_BYTES = 256
+_TEXT = RECORD_BYTES - 16
+COMPILE, SCHEDULE, RUN = 1, 2, 3
+_PHASES = {COMPILE: "compiling", SCHEDULE: "compiled", RUN: "running"}
 
 
-class ScheduleMismatch(RuntimeError):
-    pass
+def digest(*parts) -> int:
+    """A 63-bit identity of `parts` (their JSON text), the same on every rank for the same values."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
-def fingerprint(graphs: dict[str, fx.GraphModule]) -> tuple[str, str]:
-    """(short hash, readable summary) of the collectives of the given graphs, in issue order."""
-    desc = {kind: [(c["op"], c["bytes"], _group(c)) for c in collectives.schedule(gm)] for kind, gm in graphs.items()}
-    text = json.dumps(desc, sort_keys=True)
-    summary = ", ".join(f"{k}: {len(v)} collectives / {sum(b for _, b, _ in v)} bytes" for k, v in desc.items())
-    return hashlib.sha256(text.encode()).hexdigest()[:16], summary
+def graph_identity(gm: fx.GraphModule, example_inputs, cfg) -> int:
+    """What a rank is about to compile: the dynamo graph (its code names every parameter it uses), the inputs'
+    shapes, strides and dtypes, and the config (less where dumps go)."""
+    inputs = [(str(x.dtype), [str(s) for s in x.shape], [str(s) for s in x.stride()], x.requires_grad)
+              if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
+    settings = dataclasses.replace(cfg, dump=None, source="")
+    return digest(gm.code, inputs, repr(settings))
+
+
+def fingerprint(graphs: dict[str, fx.GraphModule]) -> tuple[int, str]:
+    """(identity, readable summary) of the collectives of the given graphs, in issue order."""
+    desc = {kind: [(c["op"], str(c.get("dtype")), c.get("numel"), c["bytes"], _group(c), c.get("why"))
+                   for c in collectives.schedule(gm)] for kind, gm in graphs.items()}
+    summary = ", ".join(f"{k}: {len(v)} collectives / {sum(c[3] for c in v)} bytes" for k, v in desc.items())
+    return digest(desc), summary
 
 
 def _group(c: dict) -> str:
@@ -34,19 +62,48 @@ def _group(c: dict) -> str:
     return f"subgroup of {len(c['ranks'])}" if c.get("ranks") else c["group"]
 
 
-def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule]) -> None:
+def _encode(phase: int, identity: int, text: str) -> torch.Tensor:
+    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    record[:16].view(torch.int64).copy_(torch.tensor([phase, identity]))
+    raw = text.encode()[:_TEXT]
+    record[16:16 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return record
+
+
+def _decode(record: torch.Tensor) -> tuple[int, int, str]:
+    phase, identity = record[:16].view(torch.int64).tolist()
+    return phase, identity, bytes(record[16:].tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def exchange(ctx: DistContext, phase: int, identity: int, what: str, timeout_s: float) -> None:
+    """All ranks contribute (phase, identity, what); raise on every rank unless all records match."""
     if ctx.world == 1 or ctx.planning:
         return
-    digest, summary = fingerprint(graphs)
-    # one fixed-size all-gather of (graph id, hash): a single collective, nothing to pickle
-    with _disable_current_modes():  # called while AOTAutograd traces under a fake mode
-        mine = torch.tensor([graph_id, int(digest[:15], 16)], dtype=torch.int64, device=ctx.device)
-        everyone = torch.empty(ctx.world * 2, dtype=torch.int64, device=ctx.device)
-        all_gather_flat(everyone, mine, ctx.group)
-        rows = everyone.view(ctx.world, 2).tolist()
-    if any(r != rows[ctx.rank] for r in rows):
-        lines = "\n".join(f"  rank {r}: graph {g} schedule {h:015x}" for r, (g, h) in enumerate(rows))
-        raise ScheduleMismatch(
-            "ranks compiled different collective schedules; running them would deadlock or corrupt data.\n"
-            f"{lines}\nthis rank ({ctx.rank}): {summary}\n"
-            "Check that every rank runs the same model, config, batch shapes and world size.")
+    with _disable_current_modes():  # may be called while AOTAutograd traces under a fake mode
+        mine = _encode(phase, identity, what)
+        everyone = torch.empty(ctx.world * RECORD_BYTES, dtype=torch.uint8)
+        try:
+            all_gather_flat(everyone, mine, host_group(ctx, timeout_s))
+        except RuntimeError as e:
+            raise PeerTimeout(
+                f"rank {ctx.rank}: while {_PHASES[phase]} {what}, the other ranks did not join within "
+                f"collective_timeout_s={timeout_s:g}s or left the group: a peer is stopped, hung, crashed, or runs "
+                f"other code. ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+            ) from None
+        rows = [_decode(r) for r in everyone.view(ctx.world, RECORD_BYTES)]
+    if all(r[:2] == rows[ctx.rank][:2] for r in rows):
+        return
+    lines = "\n".join(f"  rank {r}: {_PHASES.get(p, '?')} {text} [{h:015x}]" for r, (p, h, text) in enumerate(rows))
+    raise ScheduleMismatch(
+        f"rank {ctx.rank}: ranks are about to run different graphs or collective schedules; running them would "
+        f"abort in the collective library or mix different parameters.\n{lines}\n"
+        "Every rank must run the same model code path with the same config, input shapes and world size at each "
+        "step (a shape or branch that differs on one rank recompiles or picks another graph there: pad or drop "
+        "uneven last batches, keep data-dependent control flow the same on every rank, run eval forwards on every "
+        "rank).")
+
+
+def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule], timeout_s: float) -> None:
+    """After compiling: ranks compare their collective schedules before running them."""
+    identity, summary = fingerprint(graphs)
+    exchange(ctx, SCHEDULE, identity, f"graph {graph_id} ({summary})", timeout_s)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from zcompile import collectives, offload_engine
+from zcompile import collectives, nonfinite, offload_engine
 from zcompile.dist_context import DistContext, all_gather_flat
 
 _keys = itertools.count()
@@ -63,7 +63,7 @@ class ShardedParam:
         self.key = next(_keys)
         self.param_tier = _tier(offload.params if offload is not None and stage == 3 else "none")
         self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= 2 else "none")
-        self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank)
+        self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
                      if "nvme" in (self.param_tier, self.optim_tier) and not ctx.planning else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
         self.padded_numel = self.shard_numel * self.world
@@ -96,6 +96,8 @@ class ShardedParam:
         self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
+        self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
+        self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
         if not ctx.planning:  # planning on meta: tiers are accounted for, nothing is written or copied
             if self.param_tier == "nvme":
                 offload_engine.SHARDS[self.key] = self
@@ -382,6 +384,8 @@ def _pre_step(optimizer, args, kwargs) -> None:
     _check_all_managed(optimizer)
     zps = _managed(optimizer)
     _check_offloaded_optimizer(optimizer, zps)
+    if zps:
+        nonfinite.check(optimizer, zps)
     for zp in zps:
         if zp.stage == 1:
             zp.enter_step()

@@ -15,7 +15,10 @@ from zcompile.passes import placement
 
 def _is_user_input(node: fx.Node) -> bool:
     arg = node.meta.get("grapharg")
-    name = arg.source.name() if arg is not None and getattr(arg, "source", None) is not None else node.name
+    source = getattr(arg, "source", None)
+    name = node.name if source is None else source.name
+    if callable(name):  # a method up to torch 2.12, a property from 2.13
+        name = name()
     return "_buffers" not in name and "_parameters" not in name
 
 
