@@ -182,7 +182,8 @@ def bn_train(rank: int, world: int, config: dict, steps: int = 6, nan_at: int | 
         losses.append(loss.item())
         if outcomes[-1] != "ok":
             break
-    names = {n for n, _ in model.named_parameters()}
+    names = {n for n, _ in model._orig_mod.named_parameters()}  # the compiled wrapper prefixes "_orig_mod."
+    assert names, "no parameter names"
     full = {k: v.float() for k, v in zcompile.full_state_dict(model).items()}
     return {"losses": losses, "outcomes": outcomes, "warnings": caught,
             "params": {k: v for k, v in full.items() if k in names},

@@ -56,10 +56,9 @@ def test_config_is_read_once_per_compiled_model(tmp_path):
     assert out["graphs"] >= 3  # the edited and deleted steps did recompile
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_bf16_with_float_inputs_and_batchnorm(stage):
-    fp32 = run_world(2, fault_workers.bn_train, {"stage": stage, "backend": "eager"}, timeout=300)
-    bf16 = run_world(2, fault_workers.bn_train, {"stage": stage, "backend": "eager",
+def test_bf16_with_float_inputs_and_batchnorm():
+    fp32 = run_world(2, fault_workers.bn_train, {"stage": 3, "backend": "eager"}, timeout=300)
+    bf16 = run_world(2, fault_workers.bn_train, {"stage": 3, "backend": "eager",
                                                  "mixed_precision": {"param_dtype": "bf16"}}, timeout=300)
     for a, b in zip(fp32, bf16):
         assert b["outcomes"] == ["ok"] * 6

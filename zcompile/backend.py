@@ -51,6 +51,21 @@ def _refresh_meta(gm: fx.GraphModule, inputs: list | None = None) -> list:
     return inputs
 
 
+def _propagated_for(phs: list[fx.Node], inputs: list) -> bool:
+    """Whether the graph's fake values already hold for `inputs`: the same fake mode and, input by input, static
+    shapes, strides, dtypes and devices (then re-propagating, seconds on a deep model, would change nothing)."""
+    vals = [n.meta.get("val") for n in phs]
+    if detect_fake_mode(vals) is not detect_fake_mode(inputs):
+        return False
+    for v, x in zip(vals, inputs):
+        if not (isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor)):
+            return False
+        static = all(isinstance(d, int) for d in (*v.shape, *v.stride(), *x.shape, *x.stride()))
+        if not static or (v.shape, v.stride(), v.dtype, v.device) != (x.shape, x.stride(), x.dtype, x.device):
+            return False
+    return True
+
+
 def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
     """Shard placeholders take shard-shaped fake values; side-input placeholders take full-shape ones. A whole
     parameter's shard is a view of its full buffer, as at run time, so liveness counts that storage once."""
@@ -92,6 +107,7 @@ class _GraphCompile:
                  num_args: int, identity: int = 0, inputs_text: str = ""):
         self.cfg, self.ctx, self.params, self.num_args = cfg, ctx, params, num_args
         self.identity, self.inputs_text = identity, inputs_text  # schedule_check.graph_identity; what the inputs are
+        self.schedule_identity = 0  # schedule_check.fingerprint of the compiled graphs
         self.graph_id = next(_graph_ids)
         self.topology = Topology.resolve(ctx.world, cfg.ranks_per_node, cfg.source)
         for zp in params.values():
@@ -109,7 +125,8 @@ class _GraphCompile:
                            offloaded=self.offloaded if offloaded is None else offloaded)
 
     def dumper(self, kind: str):
-        return lambda name, gm: self.dump(kind, name, gm)
+        """on_pass for run_phase: dump the graph after each pass (None when not dumping)."""
+        return (lambda name, gm: self.dump(kind, name, gm)) if self.dump.dir else None
 
     def split_passes(self, gm: fx.GraphModule, kind: str, trial: dict | None = None
                      ) -> tuple[fx.GraphModule, PassContext]:
@@ -118,7 +135,7 @@ class _GraphCompile:
         if trial is None:
             gm.meta["zc_notes"] = list(self.notes)
             self.dump(kind, "input", gm)
-        gm = passes.run_phase("split", gm, pctx, (lambda name, g: None) if trial is not None else self.dumper(kind))
+        gm = passes.run_phase("split", gm, pctx, None if trial is not None else self.dumper(kind))
         collectives.mark_cross_node(gm, self.topology, range(self.ctx.world))
         _set_placeholder_vals(gm, pctx)
         _refresh_meta(gm)
@@ -204,14 +221,15 @@ class _GraphCompile:
         self.check_budget({"forward": fw, "backward": bw})
         self.dump.schedule({"forward": fw, "backward": bw}, self.cost_model())
         if self.cfg.schedule_check:
-            schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw}, self.cfg.collective_timeout_s)
+            self.schedule_identity = schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw},
+                                                          self.cfg.collective_timeout_s)
         return fw, bw
 
     def run_check(self, kind: str):
         """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check)."""
         if not self.cfg.schedule_check or self.ctx.world == 1:
             return None
-        identity = schedule_check.digest(self.identity, kind)
+        identity = schedule_check.digest(self.identity, self.schedule_identity, kind)
         what = f"the {kind} of graph {self.graph_id} ({self.inputs_text})"
         return functools.partial(schedule_check.exchange, self.ctx, schedule_check.RUN, identity, what,
                                  self.cfg.collective_timeout_s)
@@ -223,7 +241,8 @@ class _GraphCompile:
             self.check_budget({"inference": gm})
             self.dump.schedule({"inference": gm}, self.cost_model())
             if self.cfg.schedule_check:
-                schedule_check.agree(self.ctx, self.graph_id, {"inference": gm}, self.cfg.collective_timeout_s)
+                self.schedule_identity = schedule_check.agree(self.ctx, self.graph_id, {"inference": gm},
+                                                              self.cfg.collective_timeout_s)
         else:
             pctx = self.fw_pctx if kind == "forward" else self.bw_pctx
         # AOTAutograd's example inputs carry the real layout of saved activations; ours, the shards and side inputs.
@@ -231,7 +250,8 @@ class _GraphCompile:
         fake_inputs = [n.meta["val"] if n.name in pctx.own_placeholders or k >= len(example_inputs)
                        or not isinstance(example_inputs[k], torch.Tensor) else _on_tier(n, example_inputs[k])
                        for k, n in enumerate(phs)]
-        _refresh_meta(gm, fake_inputs)
+        if not _propagated_for(phs, fake_inputs):
+            _refresh_meta(gm, fake_inputs)
         planned = self.planned[kind] = liveness.analyze(gm)
         if self.ctx.planning:
             return _stop_planning

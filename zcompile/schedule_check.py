@@ -2,10 +2,12 @@
 
 Every rank contributes one fixed-size record (`RECORD_BYTES`: what it is doing, a 63-bit identity, a readable line) to
 an all-gather at three points:
-- before it compiles a graph (identity: the dynamo graph's code, its inputs' shapes and dtypes, the config);
+- before it compiles a graph (identity: the parameters the graph takes, in order, the other inputs' dtypes, the
+  config);
 - after compiling, the collective schedule of the result (every collective's op, dtype, elements, bytes, group and
   the parameters or bucket members it moves, as the passes described them);
-- before every run of a compiled graph (identity: the graph's compile identity and which of its parts runs).
+- before every run of a compiled graph (identity: the compile identity, the collective schedule and which part of
+  the graph runs).
 The record's size never depends on what a rank does, so ranks that diverge (one recompiles for a new shape, takes
 another branch, runs an eval forward alone, read another config) meet in the same exchange and all raise
 ScheduleMismatch naming what each rank was doing, instead of exchanging mismatched buffers (gloo aborts the process)
@@ -41,12 +43,17 @@ def digest(*parts) -> int:
 
 
 def graph_identity(gm: fx.GraphModule, example_inputs, cfg) -> int:
-    """What a rank is about to compile: the dynamo graph (its code names every parameter it uses), the inputs'
-    shapes, strides and dtypes, and the config (less where dumps go)."""
-    inputs = [(str(x.dtype), [str(s) for s in x.shape], [str(s) for s in x.stride()], x.requires_grad)
-              if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
+    """What a rank is about to compile, as far as its collectives depend on it: which parameters the graph takes,
+    in order (dynamo names them by module path), with their shapes and dtypes; the other tensor inputs' dtypes and
+    ranks; the config (less where dumps go). Not sizes of activations or dynamic-shape symbols: ranks may see other
+    sequence lengths or batch sizes at the same time and still move the same parameters."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = [(ph.name, list(x.shape), str(x.dtype)) for ph, x in zip(phs, example_inputs)
+              if isinstance(x, torch.nn.Parameter)]
+    others = [(str(x.dtype), x.dim()) for x in example_inputs
+              if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)]
     settings = dataclasses.replace(cfg, dump=None, source="")
-    return digest(gm.code, inputs, repr(settings))
+    return digest(params, others, repr(settings))
 
 
 def fingerprint(graphs: dict[str, fx.GraphModule]) -> tuple[int, str]:
@@ -103,7 +110,9 @@ def exchange(ctx: DistContext, phase: int, identity: int, what: str, timeout_s: 
         "rank).")
 
 
-def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule], timeout_s: float) -> None:
-    """After compiling: ranks compare their collective schedules before running them."""
+def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule], timeout_s: float) -> int:
+    """After compiling: ranks compare their collective schedules before running them; returns the schedule's
+    identity (part of each run's identity)."""
     identity, summary = fingerprint(graphs)
     exchange(ctx, SCHEDULE, identity, f"graph {graph_id} ({summary})", timeout_s)
+    return identity

@@ -77,13 +77,18 @@ def check_pipeline(names: tuple[str, ...], stage: int) -> None:
         provided |= REGISTRY[n].provides
 
 
-def run_phase(phase: str, gm: fx.GraphModule, pctx, on_pass: Callable[[str, fx.GraphModule], None]) -> fx.GraphModule:
-    """Run the pipeline's passes of one phase in order; on_pass(name, gm) sees the graph after each (for dumps)."""
+def run_phase(phase: str, gm: fx.GraphModule, pctx,
+              on_pass: Callable[[str, fx.GraphModule], None] | None = None) -> fx.GraphModule:
+    """Run the pipeline's passes of one phase in order; on_pass(name, gm) sees the graph after each (for dumps).
+    The Python code is regenerated once at the end (after each pass only for on_pass): on a deep model each
+    regeneration takes about a second."""
     for name in pctx.cfg.passes:
         spec = REGISTRY[name]
         if spec.phase == phase:
             gm = spec.fn(gm, pctx)
             gm.graph.lint()
-            gm.recompile()
-            on_pass(name, gm)
+            if on_pass is not None:
+                gm.recompile()
+                on_pass(name, gm)
+    gm.recompile()
     return gm
