@@ -60,7 +60,8 @@ def paired_steps(rank: int, world: int, steps: int) -> dict:
 def worker(rank: int, world: int, calls: int, grads_mib: float, steps: int) -> dict:
     import torch.distributed as dist
     ctx = DistContext.current()
-    exchange = _per_call_us(lambda: schedule_check.exchange(ctx, schedule_check.RUN, 1, "the forward", 300.0), calls)
+    mine = schedule_check.record(schedule_check.RUN, 1, "the forward")
+    exchange = _per_call_us(lambda: schedule_check.exchange(ctx, mine, 300.0), calls)
     flags = torch.zeros(2 * world, dtype=torch.int32)
     all_reduce = _per_call_us(lambda: dist.all_reduce(flags), calls)
     grads = [torch.randn(int(grads_mib * 2**20 / 4 / 16)) for _ in range(16)]

@@ -229,10 +229,9 @@ class _GraphCompile:
         """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check)."""
         if not self.cfg.schedule_check or self.ctx.world == 1:
             return None
-        identity = schedule_check.digest(self.identity, self.schedule_identity, kind)
-        what = f"the {kind} of graph {self.graph_id} ({self.inputs_text})"
-        return functools.partial(schedule_check.exchange, self.ctx, schedule_check.RUN, identity, what,
-                                 self.cfg.collective_timeout_s)
+        mine = schedule_check.record(schedule_check.RUN, schedule_check.digest(self.identity, self.schedule_identity, kind),
+                                     f"the {kind} of graph {self.graph_id} ({self.inputs_text})")
+        return functools.partial(schedule_check.exchange, self.ctx, mine, self.cfg.collective_timeout_s)
 
     def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "inference":
@@ -350,8 +349,8 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     identity = schedule_check.graph_identity(gm, example_inputs, cfg)
     inputs_text = _inputs_text(example_inputs)
     if cfg.schedule_check:  # before anything here communicates: a rank compiling alone meets the others' checks
-        schedule_check.exchange(ctx, schedule_check.COMPILE, identity, f"a new graph for {inputs_text}",
-                                cfg.collective_timeout_s)
+        schedule_check.exchange(ctx, schedule_check.record(schedule_check.COMPILE, identity,
+                                                           f"a new graph for {inputs_text}"), cfg.collective_timeout_s)
     params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, shard_store.row_multiple(cfg, x))
               for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
     job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text)

@@ -81,10 +81,12 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None) -> No
 
 
 def set_group_timeout(ctx: DistContext, seconds: float) -> None:
-    """Make `collective_timeout_s` govern the group zcompile communicates over, however it was created (a group the
-    user made with another timeout gets this one from the first compile on)."""
+    """Make `collective_timeout_s` govern the group zcompile communicates over (and its host group), however it was
+    created (a group the user made with another timeout gets this one from the first compile on)."""
     if not ctx.planning and ctx.group is not None:
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), ctx.group)
+        for group in (ctx.group, _HOST_GROUPS.get(ctx.group_name)):
+            if group is not None:
+                dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 _HOST_GROUPS: dict[str, object] = {}  # cache: group name -> a gloo group over the same ranks (NCCL jobs)
@@ -97,6 +99,4 @@ def host_group(ctx: DistContext, timeout_s: float):
         return ctx.group
     if ctx.group_name not in _HOST_GROUPS:
         _HOST_GROUPS[ctx.group_name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    group = _HOST_GROUPS[ctx.group_name]
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
-    return group
+    return _HOST_GROUPS[ctx.group_name]

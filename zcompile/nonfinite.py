@@ -58,10 +58,7 @@ def check(optimizer, zps: list) -> None:
            "NaN to the others, so the loss ranks name where it started)")
     if mode == "error":
         raise NonFiniteGradients(f"rank {zp0.rank}: {msg}. nonfinite: error stops here, before the parameters change")
-    if mode == "skip":
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+    if mode == "skip":  # the optimizer steps each zp's shard, master or param (stray params were refused before)
         for zp in zps:
             if zp.shard is not None:
                 zp.shard.grad = None

@@ -69,37 +69,39 @@ def _group(c: dict) -> str:
     return f"subgroup of {len(c['ranks'])}" if c.get("ranks") else c["group"]
 
 
-def _encode(phase: int, identity: int, text: str) -> torch.Tensor:
-    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
-    record[:16].view(torch.int64).copy_(torch.tensor([phase, identity]))
-    raw = text.encode()[:_TEXT]
-    record[16:16 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return record
+def record(phase: int, identity: int, what: str) -> torch.Tensor:
+    """This rank's record: phase and identity (compared), then `what` (shown when they differ)."""
+    with _disable_current_modes():  # a real tensor, also when built while AOTAutograd traces under a fake mode
+        out = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+        out[:16].view(torch.int64).copy_(torch.tensor([phase, identity]))
+        raw = what.encode()[:_TEXT]
+        out[16:16 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
 
 
-def _decode(record: torch.Tensor) -> tuple[int, int, str]:
-    phase, identity = record[:16].view(torch.int64).tolist()
-    return phase, identity, bytes(record[16:].tolist()).rstrip(b"\0").decode(errors="replace")
+def _decode(rec: torch.Tensor) -> tuple[int, int, str]:
+    phase, identity = rec[:16].view(torch.int64).tolist()
+    return phase, identity, bytes(rec[16:].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def exchange(ctx: DistContext, phase: int, identity: int, what: str, timeout_s: float) -> None:
-    """All ranks contribute (phase, identity, what); raise on every rank unless all records match."""
+def exchange(ctx: DistContext, mine: torch.Tensor, timeout_s: float) -> None:
+    """All ranks contribute their `record`; raise on every rank unless all phases and identities match."""
     if ctx.world == 1 or ctx.planning:
         return
     with _disable_current_modes():  # may be called while AOTAutograd traces under a fake mode
-        mine = _encode(phase, identity, what)
-        everyone = torch.empty(ctx.world * RECORD_BYTES, dtype=torch.uint8)
+        everyone = torch.empty(ctx.world, RECORD_BYTES, dtype=torch.uint8)
         try:
-            all_gather_flat(everyone, mine, host_group(ctx, timeout_s))
+            all_gather_flat(everyone.view(-1), mine, host_group(ctx, timeout_s))
         except RuntimeError as e:
+            phase, _, what = _decode(mine)
             raise PeerTimeout(
                 f"rank {ctx.rank}: while {_PHASES[phase]} {what}, the other ranks did not join within "
                 f"collective_timeout_s={timeout_s:g}s or left the group: a peer is stopped, hung, crashed, or runs "
                 f"other code. ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
             ) from None
-        rows = [_decode(r) for r in everyone.view(ctx.world, RECORD_BYTES)]
-    if all(r[:2] == rows[ctx.rank][:2] for r in rows):
-        return
+        if bool((everyone[:, :16] == mine[:16]).all()):
+            return
+        rows = [_decode(r) for r in everyone]
     lines = "\n".join(f"  rank {r}: {_PHASES.get(p, '?')} {text} [{h:015x}]" for r, (p, h, text) in enumerate(rows))
     raise ScheduleMismatch(
         f"rank {ctx.rank}: ranks are about to run different graphs or collective schedules; running them would "
@@ -114,5 +116,5 @@ def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule], ti
     """After compiling: ranks compare their collective schedules before running them; returns the schedule's
     identity (part of each run's identity)."""
     identity, summary = fingerprint(graphs)
-    exchange(ctx, SCHEDULE, identity, f"graph {graph_id} ({summary})", timeout_s)
+    exchange(ctx, record(SCHEDULE, identity, f"graph {graph_id} ({summary})"), timeout_s)
     return identity
