@@ -90,6 +90,6 @@ def test_parameters_left_in_eager_code_are_an_error_not_silent_drift():
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_gradients_from_eager_fallback_are_refused(stage):
-    for msg in run_world(2, workers.eager_step_after_compile, stage):
-        assert "got gradients from eager code" in msg
+def test_gradients_from_eager_fallback_are_reduced_like_compiled(stage):
+    for diff in run_world(2, workers.eager_step_after_compile, stage):
+        assert diff < 1e-5

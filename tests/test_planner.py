@@ -62,7 +62,8 @@ def test_plan_175b_on_512_ranks_matches_zero_formulas():
     assert 174e9 < P < 176e9
     assert result.state.total == pytest.approx(16 * P / 512, rel=1e-4)
     assert result.state.total == pytest.approx(result.paper_formula_bytes, rel=1e-4)
-    assert result.state.total == pytest.approx(result.formula_bytes, rel=1e-6)
+    # dim-0 shards (DTensor Shard(0)) pad each parameter to whole rows per rank: 3e-5 of the model here
+    assert result.state.total == pytest.approx(result.formula_bytes, rel=1e-4)
     assert result.comm_total / (4 * P) == pytest.approx(3.0, abs=0.01)
     # 64 nodes of 8: every ZeRO-3 collective spans them; a node imports/exports 63/64 of each, shared by 8 ranks
     assert result.cross_node_bytes == pytest.approx(result.comm_total * 63 / (64 * 8), rel=1e-6)

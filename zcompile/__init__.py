@@ -1,7 +1,7 @@
 """zcompile: ZeRO-style sharded data parallelism as a torch.compile backend.
 
     model = torch.compile(model, backend="zero", options={"config": "zero3.yaml"})
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # steps the local shards
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # the parameters are DTensor shards after the first forward
 
 Importing is optional once installed (the backend is registered through the `torch_dynamo_backends` entry point).
 """
@@ -20,6 +20,7 @@ from zcompile.cpu_adam import CPUAdam
 from zcompile.nvme_files import OffloadFileError
 from zcompile.offload_engine import offload_traffic, reset_offload_traffic
 from zcompile.dist_context import init_distributed
+from zcompile.dtensor_params import shard_parameters
 from zcompile.grad_clip import clip_grad_norm_
 from zcompile.memory_trace import measure_memory
 from zcompile.report import memory_report
@@ -28,7 +29,7 @@ __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMi
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
            "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
            "reset_offload_traffic", "planned_step_peak", "step_tensor_peak", "ZeroError", "PeerTimeout",
-           "NonFiniteGradients"]
+           "NonFiniteGradients", "shard_parameters"]
 __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):

@@ -22,8 +22,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import _disable_current_modes
 
-from zcompile import (backends, collectives, config as zconfig, liveness, memory_trace, nonfinite, offload_engine, passes,
-                      planner, schedule_check, shard_store, timeline)
+from zcompile import (backends, collectives, config as zconfig, dtensor_params, liveness, memory_trace, nonfinite,
+                      offload_engine, passes, planner, schedule_check, shard_store, timeline)
 from zcompile.dist_context import DistContext, set_group_timeout
 from zcompile.dump import GraphDumper
 from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
@@ -226,12 +226,16 @@ class _GraphCompile:
         return fw, bw
 
     def run_check(self, kind: str):
-        """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check)."""
+        """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check), and
+        whether they refresh whole-parameter copies first. check(refresh: bool) or None."""
         if not self.cfg.schedule_check or self.ctx.world == 1:
             return None
-        mine = schedule_check.record(schedule_check.RUN, schedule_check.digest(self.identity, self.schedule_identity, kind),
-                                     f"the {kind} of graph {self.graph_id} ({self.inputs_text})")
-        return functools.partial(schedule_check.exchange, self.ctx, mine, self.cfg.collective_timeout_s)
+        mine = [schedule_check.record(schedule_check.RUN,
+                                      schedule_check.digest(self.identity, self.schedule_identity, kind, refresh),
+                                      f"the {kind} of graph {self.graph_id} ({self.inputs_text})"
+                                      + (", refreshing whole parameters after a step" if refresh else ""))
+                for refresh in (False, True)]
+        return lambda refresh: schedule_check.exchange(self.ctx, mine[refresh], self.cfg.collective_timeout_s)
 
     def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "inference":
@@ -263,10 +267,14 @@ class _GraphCompile:
         check = self.run_check(kind)
         watch_loss = kind == "forward" and self.cfg.nonfinite != "off"
         zps = list(self.params.values())
+        whole = [zp for zp in zps if zp.keeps_full] if kind != "backward" else []
 
         def run_graph(args):
+            refresh = any(zp.stale() for zp in whole)
             if check is not None:
-                check()
+                check(refresh)
+            if refresh:
+                shard_store.refresh_stale(whole)
             collectives.count(sched)
             if reads:
                 offload_engine.start_reads(read_ahead)
@@ -346,13 +354,24 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     cfg = frozen_config(options)
     ctx = DistContext.current()
     set_group_timeout(ctx, cfg.collective_timeout_s)
-    identity = schedule_check.graph_identity(gm, example_inputs, cfg)
-    inputs_text = _inputs_text(example_inputs)
+    if cfg.stage >= 1 and not ctx.planning:
+        _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
+    example_inputs = list(example_inputs)
+    example_inputs, dparams, dropped = dtensor_params.unwrap_graph(gm, example_inputs)
+    is_param = [isinstance(x, nn.Parameter) or i in dparams for i, x in enumerate(example_inputs)]
+    identity = schedule_check.graph_identity(gm, example_inputs, is_param, cfg)
+    inputs_text = _inputs_text(example_inputs, is_param)
     if cfg.schedule_check:  # before anything here communicates: a rank compiling alone meets the others' checks
         schedule_check.exchange(ctx, schedule_check.record(schedule_check.COMPILE, identity,
                                                            f"a new graph for {inputs_text}"), cfg.collective_timeout_s)
-    params = {i: shard_store.register(x, cfg.stage, ctx, cfg.offload, shard_store.row_multiple(cfg, x))
-              for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)}
+    params = {i: shard_store.register_for(cfg, ctx, x) for i, x in enumerate(example_inputs)
+              if isinstance(x, nn.Parameter) and i not in dparams}
+    for i, zp in dparams.items():
+        if zp.stage != cfg.stage or zp.world != ctx.world:
+            raise ZCompileError(f"parameter {list(zp.shape)} is sharded for stage {zp.stage} over {zp.world} ranks; "
+                                f"this compile asks for stage {cfg.stage} over {ctx.world}: use one config per model")
+        params[i] = zp
+    params = dict(sorted(params.items()))
     job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text)
     for zp in params.values():
         zp.nonfinite = cfg.nonfinite
@@ -374,20 +393,92 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     for zp in params.values():
         zp.release_full()
 
+    skip, kept = set(dropped), len(example_inputs)
+
     def run(*args):
-        args = list(args)
+        # dynamo passes the meshes of DTensor parameters as graph inputs on some versions, not on others
+        args = [a for k, a in enumerate(args) if k not in skip] if len(args) > kept else list(args)
         for i, zp in params.items():
-            args[i] = zp.graph_input()
+            args[i] = zp.graph_input(args[i])
         return compiled(*args)
 
     run.zc_job = job
     return run
 
 
-def _inputs_text(example_inputs) -> str:
+class _ParametersSharded(torch._dynamo.exc.RestartAnalysis, ZeroError):
+    """Raised by the first compile that meets plain parameters: they are now DTensors, so dynamo traces again."""
+
+    def __init__(self, count: int):
+        self.restart_reason = f"zcompile replaced {count} parameters by DTensor shards"
+        ZeroError.__init__(self, self.restart_reason)
+
+
+def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx: DistContext) -> None:
+    """Shard every parameter of the modules this graph reads parameters from, replacing them by DTensors in the
+    modules (dtensor_params), then restart dynamo's analysis of the frame so it traces the DTensors. Parameters that
+    stay plain (0-d, tiled, NVMe) are registered when their graph compiles, as stand-ins."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    plain = [(ph, x) for ph, x in zip(phs, example_inputs)
+             if isinstance(x, nn.Parameter) and not isinstance(x, dtensor_params.DTensor)]
+    if not plain:
+        return
+    roots = {}
+    for ph, x in plain:
+        zp = shard_store.register_for(cfg, ctx, x)
+        if zp.dtensor is not None or not dtensor_params.eligible(zp):
+            continue
+        root = _root_module(ph)
+        if root is None:
+            raise ZCompileError(f"cannot find the module that holds parameter {ph.name} (dynamo source "
+                                f"{_source_name(ph)}): compile the model (torch.compile(model, ...)) or a function "
+                                "that calls it")
+        roots[id(root)] = root
+    count = sum(dtensor_params.shard_module(root, functools.partial(shard_store.register_for, cfg, ctx), ctx,
+                                            cfg.collective_timeout_s) for root in roots.values())
+    if count:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        if tx is not None and hasattr(tx, "speculation_log"):
+            tx.speculation_log.clear()  # the new trace takes other paths (the parameters' properties)
+        raise _ParametersSharded(count)
+
+
+def _source_name(ph: fx.Node) -> str:
+    grapharg = ph.meta.get("grapharg")
+    if grapharg is None:
+        return "?"
+    name = grapharg.source.name
+    return name() if callable(name) else name
+
+
+def _root_module(ph: fx.Node) -> nn.Module | None:
+    """The outermost module on the dynamo source path of a parameter placeholder (L['self'], G['model'], ...)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    grapharg = ph.meta.get("grapharg")
+    tx = InstructionTranslator.current_tx()
+    if grapharg is None or tx is None:
+        return None
+    source, chain = grapharg.source, []
+    while source is not None:
+        chain.append(source)
+        source = getattr(source, "base", None)
+    scope = {"L": tx.f_locals, "G": tx.f_globals}
+    for src in reversed(chain):  # outermost first
+        name = src.name() if callable(src.name) else src.name
+        try:
+            obj = eval(name, {}, scope)  # a dynamo source name is an expression over L and G
+        except Exception:
+            continue
+        if isinstance(obj, nn.Module):
+            return obj
+    return None
+
+
+def _inputs_text(example_inputs, is_param: list[bool]) -> str:
     """The non-parameter inputs, briefly: 'inputs 2x16 int64, 2x16 int64'."""
     shown = ["x".join(map(str, x.shape)) + " " + str(x.dtype).removeprefix("torch.")
-             for x in example_inputs if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter)]
+             for x, param in zip(example_inputs, is_param) if isinstance(x, torch.Tensor) and not param]
     return "inputs " + (", ".join(shown[:6]) + (", ..." if len(shown) > 6 else "") if shown else "none")
 
 

@@ -3,6 +3,10 @@
 A sharded checkpoint is a directory with one `rank<r>-of-<N>.pt` per rank; resuming needs the same world size and
 stage, and gives bit-identical training. `full_state_dict` gathers every parameter whole, under the names of the
 uncompiled model, for `model.load_state_dict` anywhere (a different world size, no zcompile at all).
+
+The module's parameters are DTensors (dtensor_params), so torch.distributed.checkpoint (`get_state_dict` /
+`set_state_dict`) also works on it, and loads at another world size or stage; this format stays for the parameters
+that are not DTensors (tiled, NVMe-offloaded) and for CPUAdam's NVMe moments.
 """
 from __future__ import annotations
 
@@ -116,6 +120,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     """Every parameter gathered whole (plus buffers), keyed like the uncompiled model. Call on every rank."""
     ctx = DistContext.current()
     out: dict[str, torch.Tensor] = {}
+    shard_store.refresh_stale([zp for _, p in _named_params(model) if (zp := shard_store.owner(p)) is not None])
     for name, p in _named_params(model):
         zp = shard_store.owner(p)
         if zp is None or zp.stage == 0:

@@ -11,25 +11,36 @@ from zcompile import shard_store
 
 
 def _grads(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
-    """(shard grads, replicated grads, group): a shard grad holds 1/world of a gradient, a replicated one all of it."""
+    """(shard grads, replicated grads, group): a shard grad holds this rank's part of a gradient, a replicated one
+    all of it. Before the step a sharded gradient sits on the DTensor or shard (an offloaded master gets it only
+    while stepping)."""
     sharded, replicated, group, seen = [], [], None, set()
     for p in params:
         zp = shard_store.owner(p)
-        if zp is not None:
-            # before the step the gradient sits on the shard (an offloaded master gets it only while stepping)
-            p, group = (zp.shard if zp.stage >= 2 else zp.optimizer_tensor()), (zp.group if zp.stage >= 2 else group)
-        if id(p) in seen or p.grad is None:
+        if zp is not None and zp in seen:
             continue
-        seen.add(id(p))
-        (sharded if zp is not None and zp.stage >= 2 else replicated).append(p.grad)
+        g = zp.gradient() if zp is not None else p.grad
+        if zp is not None:
+            seen.add(zp)
+        elif id(p) in seen:
+            continue
+        else:
+            seen.add(id(p))
+        if g is None:
+            continue
+        if zp is not None and zp.grad_sharded:
+            sharded.append(g)
+            group = zp.group
+        else:
+            replicated.append(g)
     return sharded, replicated, group
 
 
 def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before clipping.
 
-    Takes the compiled model or its parameters. torch.nn.utils.clip_grad_norm_ would see only local shards (or no
-    gradient at all at stages 2/3, where gradients live on the shards).
+    Takes the compiled model or its parameters. Same result as torch.nn.utils.clip_grad_norm_ on the DTensor
+    parameters, with one all-reduce in all, and also for parameters that are not DTensors (see dtensor_params).
     """
     params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
     sharded, replicated, group = _grads(params)

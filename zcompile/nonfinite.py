@@ -35,8 +35,8 @@ def check(optimizer, zps: list) -> None:
     mode = "error" if "error" in modes else "skip" if "skip" in modes else "warn"
     step = optimizer._zc_step = getattr(optimizer, "_zc_step", 0) + 1
     zp0 = zps[0]
-    grads = [g for zp in zps if (g := zp.gradient()) is not None]
-    device = zp0.shard.device if zp0.shard is not None else zp0.param.device
+    grads = [g for zp in zps if (g := zp.gradient()) is not None and g.numel()]  # a rank may own no rows
+    device = next(t.device for t in (zp0.shard, zp0.full, zp0.param) if t is not None)
     flags = torch.zeros(2 * zp0.world, dtype=torch.int32, device=device)
     if grads:
         norms = torch._foreach_norm([g.detach() for g in grads], float("inf"))
@@ -60,10 +60,6 @@ def check(optimizer, zps: list) -> None:
         raise NonFiniteGradients(f"rank {zp0.rank}: {msg}. nonfinite: error stops here, before the parameters change")
     if mode == "skip":  # the optimizer steps each zp's shard, master or param (stray params were refused before)
         for zp in zps:
-            if zp.shard is not None:
-                zp.shard.grad = None
-            if zp.master is not None:
-                zp.master.grad = None
-            zp.param.grad = None
+            zp.clear_grad()
         msg += "; step skipped on every rank (nonfinite: skip)"
     warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -63,13 +63,25 @@ class MemoryReport:
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
+    """Bytes this rank holds for `t` (a DTensor's local part)."""
+    t = getattr(t, "_local_tensor", t)
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _storage_bytes(t: torch.Tensor | None, seen: set) -> int:
+    """Bytes of the memory `t` keeps alive, each storage once: a DTensor gradient is a view of the graph's whole
+    (stage 1) or padded (stages 2/3) gradient, or of a bucket shared by several parameters."""
+    if t is None or t.untyped_storage().data_ptr() in seen:
+        return 0
+    seen.add(t.untyped_storage().data_ptr())
+    return t.untyped_storage().nbytes()
 
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryReport:
     """Measure this rank's model-state bytes. Call after an optimizer step (Adam creates its state lazily)."""
     shard_store.adopt_optimizer(optimizer)
     P = param_b = grad_b = host_b = nvme_b = 0
+    seen: set = set()
     zps = []
     for p in model.parameters():
         zp = shard_store.owner(p)
@@ -87,9 +99,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
         else:
             param_b += _nbytes(p)
         if zp.param_tier == "device":
-            grad_b += _nbytes(zp.gradient())
+            grad_b += _storage_bytes(zp.gradient(), seen)
         else:
-            host_b += _nbytes(zp.gradient())
+            host_b += _storage_bytes(zp.gradient(), seen)
         host_b += _nbytes(zp.master)
     optim_b = 0
     for zp in zps:

@@ -42,16 +42,15 @@ def digest(*parts) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
-def graph_identity(gm: fx.GraphModule, example_inputs, cfg) -> int:
+def graph_identity(gm: fx.GraphModule, example_inputs, is_param: list[bool], cfg) -> int:
     """What a rank is about to compile, as far as its collectives depend on it: which parameters the graph takes,
     in order (dynamo names them by module path), with their shapes and dtypes; the other tensor inputs' dtypes and
     ranks; the config (less where dumps go). Not sizes of activations or dynamic-shape symbols: ranks may see other
     sequence lengths or batch sizes at the same time and still move the same parameters."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    params = [(ph.name, list(x.shape), str(x.dtype)) for ph, x in zip(phs, example_inputs)
-              if isinstance(x, torch.nn.Parameter)]
-    others = [(str(x.dtype), x.dim()) for x in example_inputs
-              if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)]
+    params = [(ph.name, list(x.shape), str(x.dtype)) for ph, x, param in zip(phs, example_inputs, is_param) if param]
+    others = [(str(x.dtype), x.dim()) for x, param in zip(example_inputs, is_param)
+              if isinstance(x, torch.Tensor) and not param]
     settings = dataclasses.replace(cfg, dump=None, source="")
     return digest(params, others, repr(settings))
 

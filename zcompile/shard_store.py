@@ -9,11 +9,14 @@ Each parameter is flattened and zero-padded to world*s elements; rank r owns ele
   slice), refreshed by an all-gather after each step; stage 3 does not, except for parameters the planner keeps
   whole (`persistent`, see planner.choose_persistent), which then behave exactly like stage 2 parameters.
 
-The user's parameter keeps its shape and strides throughout (dynamo guards on them): stages 1/2 re-point it at a
-contiguous view of the padded full buffer; stage 3 frees its storage with `untyped_storage().resize_(0)` (as FSDP
-does) once the graph is compiled.
+Shards are dim-0 chunks (DTensor `Shard(0)` sizes). At stages 1-3 the module's parameter becomes a DTensor whose
+local tensor is a view of this storage (dtensor_params); the plain parameter it replaced is kept as a stand-in.
+Parameters that cannot be DTensors (0-d, tiled, NVMe) stay plain: stages 1/2 re-point them at a view of the padded
+full buffer; stage 3 frees their storage with `untyped_storage().resize_(0)` once the graph is compiled.
 
-The optimizer is handled by global step hooks: a standard torch.optim optimizer works unchanged.
+Global optimizer step hooks re-point optimizers built before the swap, run the `nonfinite` check, move gradients to
+host masters (optimizer offload) and give stage-1 plain parameters their slice while stepping. Whole-parameter
+copies (stages 1/2, persistent stage 3) are refreshed lazily by the next graph run that reads them (refresh_stale).
 
 Offload (ZeRO-Infinity, `offload:` in the config) gives each parameter tiers:
 - `param_tier` "cpu": the stage-3 shard lives in host memory and is the graph input; the graph copies it to the
@@ -31,12 +34,12 @@ import math
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from zcompile import collectives, nonfinite, offload_engine
 from zcompile.dist_context import DistContext, all_gather_flat
+from zcompile.errors import ZeroError
 
 _keys = itertools.count()
 
@@ -53,13 +56,16 @@ class ShardedParam:
         self.shape = tuple(param.shape)
         self.numel = param.numel()
         self.dtype = param.dtype
-        self.shard_numel = max(1, math.ceil(self.numel / self.world))
-        if row_multiple and stage == 3 and param.dim() == 2:
-            # tile_linears: each rank owns whole rows, a multiple of `row_multiple` of them, so a tile of every
-            # rank's shard is a set of whole rows of the weight
-            rows = math.ceil(self.shape[0] / (self.world * row_multiple)) * row_multiple
-            self.shard_numel = rows * self.shape[1]
+        # Dim-0 sharding (DTensor's Shard(0), torch.chunk sizes): rank r owns rows [r*c, (r+1)*c) of ceil(d0/world)
+        # = c rows each, zero-padded; flattened, that is elements [r*s, (r+1)*s) with s = c * row size.
         self.row_multiple = row_multiple if stage == 3 and param.dim() == 2 else 0
+        rows = math.ceil(self.shape[0] / self.world) if param.dim() else 1
+        if self.row_multiple:
+            # tile_linears: a multiple of `row_multiple` rows per rank, so a tile of every rank's shard is a set of
+            # whole rows of the weight (not torch.chunk sizes: such a parameter is not a DTensor)
+            rows = math.ceil(self.shape[0] / (self.world * row_multiple)) * row_multiple
+        self.row_numel = math.prod(self.shape[1:]) if param.dim() else 1
+        self.shard_numel = max(1, rows * self.row_numel)
         self.key = next(_keys)
         self.param_tier = _tier(offload.params if offload is not None and stage == 3 else "none")
         self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= 2 else "none")
@@ -95,6 +101,8 @@ class ShardedParam:
         self.persistent = False      # stage 3 only: kept whole like a stage 2 parameter
         self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
+        self.dtensor: nn.Parameter | None = None  # the module's DTensor parameter (dtensor_params), if it has one
+        self.seen_version = self.versions()  # of the storage the full copy was last gathered from
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
         self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
         self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
@@ -173,7 +181,8 @@ class ShardedParam:
     def release_full(self) -> None:
         """Stage 3: free the user parameter's full storage, keeping its metadata (the shard holds the values)."""
         p = self.param
-        if self.stage != 3 or self.persistent or p.is_meta or p.untyped_storage().nbytes() == 0:
+        if (self.stage != 3 or self.persistent or self.dtensor is not None or p.is_meta
+                or p.untyped_storage().nbytes() == 0):
             return
         if p.untyped_storage().nbytes() != self.numel * self.dtype.itemsize:
             p.data = p.data.clone()  # shares storage with other tensors: free only its own copy
@@ -196,9 +205,50 @@ class ShardedParam:
             self._secondary = torch.empty(self.secondary_numel, dtype=self.secondary_dtype, device=self.shard.device)
         return self._secondary
 
-    def graph_input(self) -> torch.Tensor:
+    def graph_input(self, arg: torch.Tensor) -> torch.Tensor:
+        """What the compiled graph takes for this parameter, given what dynamo passed (the DTensor or the stand-in)."""
         self.compiled_calls += 1
+        if self.dtensor is not None and arg is self.dtensor:
+            if self.standin.requires_grad != self.standin_grad:
+                raise ZeroError(
+                    f"requires_grad of a parameter {list(self.shape)} was changed on a reference taken before the "
+                    "first forward: zcompile then replaced the module's parameters by DTensor shards, so that tensor "
+                    "is no longer the parameter. Take parameters from the module after the first forward (or call "
+                    "zcompile.shard_parameters(model, config) before taking them), e.g. "
+                    "`for p in model.block.parameters(): p.requires_grad_(True)`")
+            if arg.requires_grad and torch.is_grad_enabled():
+                return _GradToParam.apply(arg, self)
+            return self.graph_tensor()
         return self.shard if self.stage >= 2 else self.param
+
+    def graph_tensor(self) -> torch.Tensor:
+        """The storage a graph reads: the flat shard (stages 2/3) or the whole parameter (stage 1)."""
+        return (self.shard if self.stage >= 2 else self.full_view()).detach()
+
+    def local_rows(self) -> torch.Tensor:
+        """This rank's rows of the parameter (DTensor Shard(0) sizes), a view of the storage the graphs read."""
+        base = self.shard if self.stage >= 2 else self.local_slice()
+        return base.detach()[: self.hi - self.lo].view((self.hi - self.lo) // self.row_numel, *self.shape[1:])
+
+    def grad_dtensor(self, g: torch.Tensor) -> torch.Tensor:
+        """The DTensor gradient of the parameter from a graph's gradient of graph_tensor()."""
+        from torch.distributed.tensor import DTensor, Shard
+        flat = g.reshape(-1)
+        flat = flat[self.lo:self.hi] if self.stage == 1 else flat[: self.hi - self.lo]
+        local = flat.view((self.hi - self.lo) // self.row_numel, *self.shape[1:])
+        dt = self.dtensor
+        return DTensor.from_local(local, dt.device_mesh, [Shard(0)], run_check=False, shape=dt.shape,
+                                  stride=dt.stride())
+
+    def versions(self) -> tuple:
+        """Write counters of this rank's part: the full buffer's, and the DTensor's (an in-place op on a DTensor bumps
+        the wrapper's counter, not its local tensor's)."""
+        return (None if self.full is None else self.full._version,
+                None if getattr(self, "dtensor", None) is None else self.dtensor._version)
+
+    def stale(self) -> bool:
+        """The whole-parameter copy misses writes to the shards (an optimizer step, a load) since its last gather."""
+        return self.keeps_full and self.full is not None and self.versions() != self.seen_version
 
     def local_slice(self) -> torch.Tensor:
         """This rank's padded slice of the full buffer (stages 1/2)."""
@@ -221,23 +271,42 @@ class ShardedParam:
         """The tensor the optimizer steps for this parameter."""
         if self.master is not None:
             return self.master
+        if self.dtensor is not None:
+            return self.dtensor
         return self.shard if self.stage >= 2 else self.param
 
     def gradient(self) -> torch.Tensor | None:
         """The reduced gradient of this rank's part (before the step: it moves to the master only then)."""
+        if self.dtensor is not None:
+            g = self.dtensor.grad
+            if g is not None:
+                return g._local_tensor
+            return self.master.grad if self.master is not None else None
         if self.stage < 2:
             return self.param.grad
         return self.shard.grad if self.shard.grad is not None or self.master is None else self.master.grad
 
+    def clear_grad(self) -> None:
+        for t in (self.dtensor, self.shard, self.master, self.param):
+            if t is not None:
+                t.grad = None
+
+    @property
+    def grad_sharded(self) -> bool:
+        """gradient() holds this rank's part only (a DTensor's rows, a shard), not the whole gradient."""
+        return self.dtensor is not None or self.stage >= 2
+
     # -- optimizer offload around the step
     def before_offloaded_step(self) -> None:
         self.materialize()
-        if self.master is not None and self.shard.grad is not None:
-            grad = self.shard.grad
+        holder = self.dtensor if self.dtensor is not None else self.shard
+        if self.master is not None and holder.grad is not None:
+            grad = holder.grad._local_tensor.reshape(-1) if self.dtensor is not None else holder.grad
             offload_engine.count("device->cpu", grad.numel() * grad.element_size())
-            host = grad.to("cpu", torch.float32, copy=True)
+            host = torch.zeros(self.shard_numel, dtype=torch.float32)
+            host[: grad.numel()].copy_(grad)
             self.master.grad = host if self.master.grad is None else self.master.grad.add_(host)
-            self.shard.grad = None  # the device gradient is freed once it is on the host
+            holder.grad = None  # the device gradient is freed once it is on the host
 
     def after_offloaded_step(self) -> None:
         if self.master is not None:
@@ -282,6 +351,11 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
     return zp
 
 
+def register_for(cfg, ctx: DistContext, param: nn.Parameter) -> ShardedParam:
+    """register() with the layout and tiers a config asks for."""
+    return register(param, cfg.stage, ctx, cfg.offload, row_multiple(cfg, param))
+
+
 def owner(t: torch.Tensor) -> ShardedParam | None:
     """The ShardedParam a user parameter or an optimizer shard belongs to."""
     return getattr(t, "_zc", None) or getattr(t, "_zc_owner", None)
@@ -306,7 +380,14 @@ def gather_full(zps: list[ShardedParam]) -> None:
         offset = 0
         for zp in items:
             zp.full.view(zp.world, zp.shard_numel).copy_(per_rank[:, offset:offset + zp.shard_numel])
+            zp.seen_version = zp.versions()
             offset += zp.shard_numel
+
+
+def refresh_stale(zps) -> None:
+    """Bring whole-parameter copies up to date with the shards (every rank, the same parameters: the run check
+    compares whether a refresh is due)."""
+    gather_full([zp for zp in zps if zp.stale()])
 
 
 def make_persistent(zps: list[ShardedParam]) -> None:
@@ -318,23 +399,51 @@ def make_persistent(zps: list[ShardedParam]) -> None:
         zp.full = torch.zeros(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)
         zp.local_slice().copy_(zp.shard.detach())
         zp.shard.data = zp.local_slice()
+        if zp.dtensor is not None:
+            zp.dtensor._local_tensor = zp.local_rows()
         zp.persistent = True
     gather_full(zps)
     for zp in zps:
-        zp.param.data = zp.full_view()
+        if zp.dtensor is None:
+            zp.param.data = zp.full_view()
 
 
 def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Point the optimizer at the shards of stage 2/3 parameters, moving any state it already holds."""
+    """Point an optimizer built before the parameters were sharded (it holds the plain parameters) at what now
+    stands for them: the module's DTensor, or the shard / host master zcompile steps; state it already holds (e.g.
+    Adagrad's, made at construction with the full shape) is resharded to match."""
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
-            zp = getattr(p, "_zc", None)
-            if zp is not None and zp.stage >= 2 and p is not zp.optimizer_tensor():
-                target = zp.optimizer_tensor()
-                params[i] = target
-                if p in optimizer.state:
-                    optimizer.state[target] = optimizer.state.pop(p)
+            zp = owner(p)
+            if zp is None:
+                continue
+            target = zp.optimizer_tensor()
+            if p is target or (zp.stage == 1 and zp.dtensor is None):
+                continue
+            params[i] = target
+            if p in optimizer.state:
+                optimizer.state[target] = {k: _reshard_state(v, zp, target) for k, v in optimizer.state.pop(p).items()}
+
+
+def _reshard_state(value, zp: ShardedParam, target: torch.Tensor):
+    """Optimizer state of a parameter, moved to the layout of `target` (a DTensor's rows or a flat shard)."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or isinstance(value, DTensor):
+        return value
+    if tuple(value.shape) == zp.shape:
+        mine = value.detach().reshape(-1)[zp.lo:zp.hi]
+    elif tuple(value.shape) == (zp.shard_numel,):
+        mine = value.detach()[: zp.hi - zp.lo]
+    else:
+        return value
+    if isinstance(target, DTensor):
+        local = mine.clone().view((zp.hi - zp.lo) // zp.row_numel, *zp.shape[1:])
+        return DTensor.from_local(local, target.device_mesh, [Shard(0)], run_check=False, shape=target.shape,
+                                  stride=target.stride())
+    flat = torch.zeros(zp.shard_numel, dtype=value.dtype, device=target.device)
+    flat[: mine.numel()].copy_(mine)
+    return flat
 
 
 def _managed(optimizer: torch.optim.Optimizer) -> list[ShardedParam]:
@@ -364,6 +473,8 @@ def _check_all_managed(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _has_eager_grad(zp: ShardedParam) -> bool:
+    if zp.dtensor is not None:  # an eager forward of a DTensor parameter reduces its gradient like a graph
+        return False
     if zp.stage >= 2:  # the compiled graph gives gradients to the shard, never to the user's parameter
         return zp.param.grad is not None
     return zp.param.grad is not None and zp.compiled_calls == 0
@@ -387,7 +498,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if zps:
         nonfinite.check(optimizer, zps)
     for zp in zps:
-        if zp.stage == 1:
+        if zp.stage == 1 and zp.dtensor is None:
             zp.enter_step()
         if zp.optim_tier in ("cpu", "nvme"):
             zp.before_offloaded_step()
@@ -397,12 +508,26 @@ def _post_step(optimizer, args, kwargs) -> None:
     zps = _managed(optimizer)
     for zp in zps:
         zp.compiled_calls = 0
-        if zp.stage == 1:
+        if zp.stage == 1 and zp.dtensor is None:
             zp.exit_step()
         if zp.optim_tier in ("cpu", "nvme"):
             zp.after_offloaded_step()
-    gather_full([zp for zp in zps if zp.keeps_full])
+    # whole-parameter copies are refreshed by the next graph run that reads them (refresh_stale)
 
 
 register_optimizer_step_pre_hook(_pre_step)
 register_optimizer_step_post_hook(_post_step)
+
+
+class _GradToParam(torch.autograd.Function):
+    """Hands a graph the tensor it was compiled for; the graph's gradient of it becomes the DTensor parameter's."""
+
+    @staticmethod
+    def forward(ctx, dt, zp):
+        ctx.zp = zp
+        t = zp.graph_tensor()
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.zp.grad_dtensor(g), None

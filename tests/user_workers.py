@@ -1,0 +1,174 @@
+"""Ordinary PyTorch code around a compiled model (what FSDP2 users write), run the same way by every rank and by a
+single-process reference of the same data-parallel math."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.workers import build_model, global_batch, loss_of, rank_slice
+
+GLOBAL = 4  # sequences per step, split over the ranks: the same data at every world size
+
+
+def _batch(step: int, world: int) -> torch.Tensor:
+    return global_batch(step, world, GLOBAL // world)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def user_loop(rank: int | None, world: int, stage: int | None, steps: int = 4) -> dict:
+    """Adagrad built before the first forward (its state is made at construction), the first block frozen and
+    unfrozen after step 2 with requires_grad_, torch's clip_grad_norm_, model.zero_grad(), p.norm() logging, an EMA
+    of the parameters, then an eager forward of the uncompiled module. rank None: the single-process reference."""
+    model = build_model("gpt")
+    frozen = list(model.blocks[0].parameters())
+    for p in frozen:
+        p.requires_grad_(False)
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    run = model if rank is None else torch.compile(model, backend="zero",
+                                                   options={"config": {"stage": stage, "backend": "eager"}})
+    out = {"losses": [], "norms": [], "clip": [], "types": set()}
+    ema = None
+    for step in range(steps):
+        if step == 2:  # parameters taken from the module now: the ones from before the first forward were replaced
+            for p in model.blocks[0].parameters():
+                p.requires_grad_(True)
+        x = _batch(step, world)
+        if rank is None:
+            losses = [loss_of(run, "gpt", rank_slice(x, r, world)) for r in range(world)]
+            (sum(losses) / world).backward()
+            out["losses"].append(sum(l.item() for l in losses) / world)
+        else:
+            loss = loss_of(run, "gpt", rank_slice(x, rank, world))
+            loss.backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            out["losses"].append(mean.item() / world)
+        out["clip"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        model.zero_grad()
+        out["norms"].append(sum(p.norm() ** 2 for p in model.parameters()).sqrt().item())
+        with torch.no_grad():
+            if ema is None:
+                ema = [p.detach().clone() for p in model.parameters()]
+            for e, p in zip(ema, model.parameters()):
+                e.lerp_(p, 0.25)
+    out["types"] = sorted({type(p).__name__ for p in model.parameters()})
+    out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    out["ema"] = [_full(e) for e in ema]
+    model.eval()
+    with torch.no_grad():
+        out["eager_logits"] = model(_batch(99, 1)[:, :-1]).logits.clone()
+    sd = model.state_dict()
+    out["state_dict"] = {k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()}
+    return out
+
+
+def optimizer_after_forward(rank: int | None, world: int, stage: int | None) -> dict:
+    """An optimizer built after the first forward (it sees the DTensor parameters), SGD with momentum and two
+    param groups, a scheduler; opt.zero_grad(set_to_none=False) keeps zeroed DTensor gradients. rank None: the
+    single-process reference."""
+    model = build_model("gpt")
+    run = model if rank is None else torch.compile(model, backend="zero",
+                                                   options={"config": {"stage": stage, "backend": "eager"}})
+    opt = sched = None
+    for step in range(3):
+        x = _batch(step, world)
+        ranks = range(world) if rank is None else [rank]
+        (sum(loss_of(run, "gpt", rank_slice(x, r, world)) for r in ranks) / len(ranks)).backward()
+        if opt is None:
+            decay = [p for p in model.parameters() if p.dim() == 2]
+            rest = [p for p in model.parameters() if p.dim() != 2]
+            opt = torch.optim.SGD([{"params": decay, "weight_decay": 0.1}, {"params": rest}], lr=0.05, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=False)
+    return {"params": {n: _full(p) for n, p in model.named_parameters()},
+            "grad_types": sorted({type(p.grad).__name__ for p in model.parameters()})}
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def gpt2_generate(rank: int | None, world: int, stage: int) -> list:
+    """One training step of a Hugging Face GPT-2 (tied embeddings), then greedy model.generate on every rank."""
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = _batch(0, world)
+    if rank is None:
+        losses = [model(input_ids=rank_slice(x, r, world), labels=rank_slice(x, r, world)).loss for r in range(world)]
+        (sum(losses) / world).backward()
+    else:
+        run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
+        mine = rank_slice(x, rank, world)
+        run(input_ids=mine, labels=mine).loss.backward()
+    opt.step()
+    model.zero_grad()
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                         pad_token_id=0)
+    return ids.tolist()
+
+
+def dcp_train(rank: int, world: int, stage: int, steps: int, start: int, save: str | None, load: str | None) -> dict:
+    """Train `steps` steps from `start` with torch.distributed.checkpoint: load a model + optimizer state first
+    (any world size or stage), save one at the end."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = build_model("gpt", seed=123 if load else 0)
+    run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    if load:
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=load)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    losses = []
+    for step in range(start, start + steps):
+        loss = loss_of(run, "gpt", rank_slice(_batch(step, world), rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if save:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+def stale_reference(rank: int, world: int) -> dict:
+    """A parameter list taken before the first forward holds the plain parameters zcompile replaced: toggling one
+    fails at the next forward with a clear error, and reading one gives NaN, never stale or freed memory. After
+    zcompile.shard_parameters the references are the DTensors and toggling works."""
+    import zcompile
+    out = {}
+    config = {"stage": 3, "backend": "eager"}
+    model = build_model("gpt")
+    early = list(model.blocks[0].parameters())
+    run = torch.compile(model, backend="zero", options={"config": config})
+    x = rank_slice(_batch(0, world), rank, world)
+    loss_of(run, "gpt", x).backward()
+    out["stale_read"] = early[0].sum().item()
+    early[0].requires_grad_(False)
+    try:
+        loss_of(run, "gpt", x)
+    except zcompile.ZeroError as e:
+        out["error"] = str(e)
+    torch._dynamo.reset()
+    model = zcompile.shard_parameters(build_model("gpt"), config)
+    early = list(model.blocks[0].parameters())
+    run = torch.compile(model, backend="zero", options={"config": config})
+    for p in early:
+        p.requires_grad_(False)
+    loss_of(run, "gpt", x).backward()
+    out["frozen_grads"] = [p.grad is None for p in early]
+    out["types"] = sorted({type(p).__name__ for p in early})
+    return out
