@@ -44,10 +44,16 @@ def test_hugging_face_generate_at_stage_3():
 
 def test_dcp_checkpoint_moves_between_world_sizes_and_stages(tmp_path):
     """Save at world 2 (stage 3) after 2 steps; resume at world 1 (stage 3) and at world 4 (stage 2); each matches
-    the uninterrupted world-2 run (the same global batches at every world size)."""
+    the uninterrupted world-2 run (the same global batches at every world size). A full state dict from
+    get_model_state_dict loads strictly into the uncompiled model."""
     ckpt = str(tmp_path / "step2")
     run_world(2, user_workers.dcp_train, 3, 2, 0, ckpt, None)
-    straight = run_world(2, user_workers.dcp_train, 3, 4, 0, None, None)[0]["params"]
+    straight_run = run_world(2, user_workers.dcp_train, 3, 4, 0, None, None)
+    straight = straight_run[0]["params"]
+    plain = user_workers.build_model("gpt", seed=7)  # the consolidated state dict loads into the plain model
+    plain.load_state_dict(straight_run[0]["full"], strict=True)
+    for name, value in plain.named_parameters():
+        torch.testing.assert_close(value.detach(), straight[name], rtol=0, atol=0, msg=name)
     for world, stage in [(1, 3), (4, 2)]:
         resumed = run_world(world, user_workers.dcp_train, stage, 2, 2, None, ckpt)[0]["params"]
         for name, value in straight.items():

@@ -141,7 +141,9 @@ def dcp_train(rank: int, world: int, stage: int, steps: int, start: int, save: s
     if save:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
-    return {"params": {n: _full(p) for n, p in model.named_parameters()}}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}, "full": full}
 
 
 def stale_reference(rank: int, world: int) -> dict:
