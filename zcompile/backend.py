@@ -270,11 +270,11 @@ class _GraphCompile:
         whole = [zp for zp in zps if zp.keeps_full] if kind != "backward" else []
 
         def run_graph(args):
-            refresh = any(zp.stale() for zp in whole)
+            stale = [zp for zp in whole if zp.stale()]
             if check is not None:
-                check(refresh)
-            if refresh:
-                shard_store.refresh_stale(whole)
+                check(bool(stale))
+            if stale:
+                shard_store.gather_full(stale)
             collectives.count(sched)
             if reads:
                 offload_engine.start_reads(read_ahead)

@@ -23,7 +23,7 @@ import threading
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from zcompile import dist_context, shard_store
 from zcompile.errors import ZCompileError
@@ -50,10 +50,7 @@ def mesh_for(zp: shard_store.ShardedParam, ctx: dist_context.DistContext, timeou
 
 def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout_s: float) -> nn.Parameter:
     """The DTensor parameter whose local tensor is this rank's rows of zp's storage."""
-    local = zp.local_rows()
-    dt = DTensor.from_local(local, mesh_for(zp, ctx, timeout_s), [Shard(0)], run_check=False, shape=torch.Size(zp.shape),
-                            stride=_contiguous_stride(zp.shape))
-    param = nn.Parameter(dt, requires_grad=requires_grad)
+    param = nn.Parameter(zp.as_dtensor(zp.local_rows(), mesh_for(zp, ctx, timeout_s)), requires_grad=requires_grad)
     param._zc = zp
     zp.dtensor = param
     retire(zp)
@@ -71,14 +68,6 @@ def retire(zp: shard_store.ShardedParam) -> None:
     zp.standin_grad = old.requires_grad
     with torch.no_grad():  # one NaN seen through every index: reads give NaN, writes fail (overlapping memory)
         old.data = torch.full((1,), float("nan"), dtype=old.dtype, device=old.device).expand(old.shape)
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
 
 
 # -- the module side: swap parameters, properties, eager forwards
@@ -205,6 +194,6 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
     if params:
         gm.graph.lint()
         gm.recompile()
-    keep = [x for k, x in enumerate(inputs) if k not in set(dropped)]
-    shift = {k: k - sum(1 for d in dropped if d < k) for k in params}
-    return keep, {shift[k]: zp for k, zp in params.items()}, dropped
+    drop = set(dropped)
+    kept = [k for k in range(len(inputs)) if k not in drop]  # old index of each kept input
+    return [inputs[k] for k in kept], {new: params[k] for new, k in enumerate(kept) if k in params}, dropped

@@ -17,15 +17,11 @@ def _grads(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[tor
     sharded, replicated, group, seen = [], [], None, set()
     for p in params:
         zp = shard_store.owner(p)
-        if zp is not None and zp in seen:
+        key = zp if zp is not None else id(p)  # a parameter and its optimizer tensor count once
+        if key in seen:
             continue
+        seen.add(key)
         g = zp.gradient() if zp is not None else p.grad
-        if zp is not None:
-            seen.add(zp)
-        elif id(p) in seen:
-            continue
-        else:
-            seen.add(id(p))
         if g is None:
             continue
         if zp is not None and zp.grad_sharded:

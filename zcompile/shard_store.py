@@ -225,26 +225,32 @@ class ShardedParam:
         """The storage a graph reads: the flat shard (stages 2/3) or the whole parameter (stage 1)."""
         return (self.shard if self.stage >= 2 else self.full_view()).detach()
 
+    def as_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat tensor that starts with this rank's part (a shard, a slice), viewed as this rank's rows of the
+        parameter (DTensor Shard(0) sizes; a rank may own none)."""
+        return flat[: self.hi - self.lo].view((self.hi - self.lo) // self.row_numel, *self.shape[1:])
+
+    def as_dtensor(self, rows: torch.Tensor, mesh) -> torch.Tensor:
+        """The DTensor of the parameter's shape whose local tensor on this rank is `rows` (from as_rows)."""
+        from torch._prims_common import make_contiguous_strides_for
+        from torch.distributed.tensor import DTensor, Shard
+        return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=torch.Size(self.shape),
+                                  stride=make_contiguous_strides_for(self.shape))
+
     def local_rows(self) -> torch.Tensor:
-        """This rank's rows of the parameter (DTensor Shard(0) sizes), a view of the storage the graphs read."""
-        base = self.shard if self.stage >= 2 else self.local_slice()
-        return base.detach()[: self.hi - self.lo].view((self.hi - self.lo) // self.row_numel, *self.shape[1:])
+        """This rank's rows of the parameter, a view of the storage the graphs read."""
+        return self.as_rows((self.shard if self.stage >= 2 else self.local_slice()).detach())
 
     def grad_dtensor(self, g: torch.Tensor) -> torch.Tensor:
         """The DTensor gradient of the parameter from a graph's gradient of graph_tensor()."""
-        from torch.distributed.tensor import DTensor, Shard
         flat = g.reshape(-1)
-        flat = flat[self.lo:self.hi] if self.stage == 1 else flat[: self.hi - self.lo]
-        local = flat.view((self.hi - self.lo) // self.row_numel, *self.shape[1:])
-        dt = self.dtensor
-        return DTensor.from_local(local, dt.device_mesh, [Shard(0)], run_check=False, shape=dt.shape,
-                                  stride=dt.stride())
+        return self.as_dtensor(self.as_rows(flat[self.lo:] if self.stage == 1 else flat), self.dtensor.device_mesh)
 
     def versions(self) -> tuple:
         """Write counters of this rank's part: the full buffer's, and the DTensor's (an in-place op on a DTensor bumps
         the wrapper's counter, not its local tensor's)."""
         return (None if self.full is None else self.full._version,
-                None if getattr(self, "dtensor", None) is None else self.dtensor._version)
+                None if self.dtensor is None else self.dtensor._version)
 
     def stale(self) -> bool:
         """The whole-parameter copy misses writes to the shards (an optimizer step, a load) since its last gather."""
@@ -428,21 +434,19 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def _reshard_state(value, zp: ShardedParam, target: torch.Tensor):
     """Optimizer state of a parameter, moved to the layout of `target` (a DTensor's rows or a flat shard)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or isinstance(value, DTensor):
         return value
     if tuple(value.shape) == zp.shape:
-        mine = value.detach().reshape(-1)[zp.lo:zp.hi]
+        mine = zp.as_rows(value.detach().reshape(-1)[zp.lo:])
     elif tuple(value.shape) == (zp.shard_numel,):
-        mine = value.detach()[: zp.hi - zp.lo]
+        mine = zp.as_rows(value.detach())
     else:
         return value
     if isinstance(target, DTensor):
-        local = mine.clone().view((zp.hi - zp.lo) // zp.row_numel, *zp.shape[1:])
-        return DTensor.from_local(local, target.device_mesh, [Shard(0)], run_check=False, shape=target.shape,
-                                  stride=target.stride())
+        return zp.as_dtensor(mine.clone(), target.device_mesh)
     flat = torch.zeros(zp.shard_numel, dtype=value.dtype, device=target.device)
-    flat[: mine.numel()].copy_(mine)
+    flat[: mine.numel()].copy_(mine.reshape(-1))
     return flat
 
 
