@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--data", default=None)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--save", default=None, help="directory for a sharded checkpoint at the end")
+    ap.add_argument("--save", default=None, help="directory for a checkpoint at the end (zcompile.save_checkpoint)")
     ap.add_argument("--json", default=None, help="write the summary here (rank 0)")
     args = ap.parse_args()
 

@@ -21,6 +21,8 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    if name == "gpt_dropout":  # its losses depend on the RNG state (checkpoints must restore it)
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.1))
     if name == "gpt_break":
         return BreakingGPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
     if name == "gpt_loop_break":
@@ -146,9 +148,10 @@ def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: s
     config = {"stage": stage, "backend": "eager", **(extra_config or {})}
     model, opt, _ = train(rank, world, name, config, 3, optimizer=optimizer)
     zcompile.save_checkpoint(directory, model, opt, extra={"step": 3})
+    saved = zcompile.full_state_dict(model)
     _, _, continued = train(rank, world, name, config, 2, model=model, opt=opt, start=3, optimizer=optimizer)
     full = zcompile.full_state_dict(model)
-    # A fresh process state: other initial weights, new compile, then resume from the checkpoint.
+    # A fresh process state: other initial weights and RNG state, new compile, then resume from the checkpoint.
     torch._dynamo.reset()
     fresh = torch.compile(build_model(name, seed=123), backend="zero", options={"config": config})
     fresh_opt = (zcompile.CPUAdam(fresh.parameters(), lr=LR, eps=EPS, chunk_mb=0.05) if optimizer == "cpu_adam"
@@ -156,7 +159,57 @@ def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: s
     extra = zcompile.load_checkpoint(directory, fresh, fresh_opt, config=config if extra_config else None)
     _, _, resumed = train(rank, world, name, config, 2, model=fresh, opt=fresh_opt, start=extra["step"],
                           optimizer=optimizer)
-    return {"continued": continued, "resumed": resumed, "full": full, "resumed_full": zcompile.full_state_dict(fresh)}
+    return {"continued": continued, "resumed": resumed, "full": full, "resumed_full": zcompile.full_state_dict(fresh),
+            "saved": saved, "kind": _manifest(directory)["kind"]}
+
+
+def _manifest(directory: str) -> dict:
+    import json
+    import os
+    with open(os.path.join(directory, "zcompile.json")) as f:
+        return json.load(f)
+
+
+def killed_save(rank: int, world: int, directory: str, where: str) -> None:
+    """Save at step 1, train a step, then save again and have rank 0 killed (SIGKILL) inside that save: after
+    writing its payload ("payload") or between the two renames that publish it ("publish")."""
+    import os
+    import signal
+
+    from zcompile import checkpoint
+    config = {"stage": 3, "backend": "eager"}
+    model, opt, _ = train(rank, world, "gpt", config, 1)
+    zcompile.save_checkpoint(directory, model, opt, extra={"step": 1})
+    full = zcompile.full_state_dict(model)
+    if rank == 0:
+        torch.save(full, directory + "-expected.pt")
+    train(rank, world, "gpt", config, 1, model=model, opt=opt, start=1)
+    if rank == 0 and where == "payload":
+        save = checkpoint.dcp.save
+        checkpoint.dcp.save = lambda *a, **k: (save(*a, **k), os.kill(os.getpid(), signal.SIGKILL))
+    if rank == 0 and where == "publish":
+        rename = os.rename  # killed when it comes to move .partial in place, after moving the old one aside
+        checkpoint.os.rename = lambda a, b: (os.kill(os.getpid(), signal.SIGKILL) if str(a).endswith(".partial")
+                                             else rename(a, b))
+    zcompile.save_checkpoint(directory, model, opt, extra={"step": 2})
+
+
+def load_plain(rank: int, world: int, directory: str, resave: bool = False) -> dict:
+    """Load a checkpoint into an uncompiled GPT and an AdamW over it (DCP gives whole tensors); optionally save it
+    again to the same place."""
+    model = build_model("gpt", seed=123)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    extra = zcompile.load_checkpoint(directory, model, opt)
+    if resave:
+        zcompile.save_checkpoint(directory, model, opt, extra=extra)
+    return {"extra": extra, "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "steps": sorted({int(s["step"]) for s in opt.state.values()})}
+
+
+def save_plain(rank: int, world: int, directory: str) -> None:
+    """A checkpoint of an uncompiled GPT (replicated parameters) and its fresh optimizer."""
+    model = build_model("gpt")
+    zcompile.save_checkpoint(directory, model, torch.optim.AdamW(model.parameters()), extra={"step": 0})
 
 
 def mismatched_models(rank: int, world: int) -> None:
@@ -170,9 +223,12 @@ def dump_graphs(rank: int, world: int, directory: str, config: dict) -> list:
     return sorted(__import__("os").listdir(f"{directory}/rank{rank}"))
 
 
-def load_only(rank: int, world: int, name: str, stage: int, directory: str) -> None:
-    model = torch.compile(build_model(name), backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
-    zcompile.load_checkpoint(directory, model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+def load_only(rank: int, world: int, name: str, stage: int, directory: str, extra_config: dict | None = None) -> dict:
+    config = {"stage": stage, "backend": "eager", **(extra_config or {})}
+    model = torch.compile(build_model(name), backend="zero", options={"config": config})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    extra = zcompile.load_checkpoint(directory, model, opt, config=config)
+    return {"extra": extra, "full": zcompile.full_state_dict(model)}
 
 
 class BreakingGPT(GPT):

@@ -14,8 +14,8 @@ from zcompile.backend import planned_step_peak, zero_backend
 from zcompile.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.collectives import reset_traffic, traffic
 from zcompile.config import Config
-from zcompile.errors import (ConfigError, MemoryBudgetError, NonFiniteGradients, PeerTimeout, ScheduleMismatch,
-                             ZCompileError, ZeroError)
+from zcompile.errors import (CheckpointError, ConfigError, MemoryBudgetError, NonFiniteGradients, PeerTimeout,
+                             ScheduleMismatch, ZCompileError, ZeroError)
 from zcompile.cpu_adam import CPUAdam
 from zcompile.nvme_files import OffloadFileError
 from zcompile.offload_engine import offload_traffic, reset_offload_traffic
@@ -29,7 +29,7 @@ __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMi
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
            "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
            "reset_offload_traffic", "planned_step_peak", "step_tensor_peak", "ZeroError", "PeerTimeout",
-           "NonFiniteGradients", "shard_parameters"]
+           "CheckpointError", "NonFiniteGradients", "shard_parameters"]
 __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):

@@ -43,3 +43,8 @@ class NonFiniteGradients(ZeroError):
 
 class ZCompileError(ZeroError):
     """A failure inside the zero backend. Never a silent fallback: eager would run on storage-free stand-ins."""
+
+
+class CheckpointError(ZeroError, ValueError):
+    """A checkpoint that cannot be written or read as asked (missing, damaged, foreign, another world size); the
+    message names the directory or file. Every rank raises it."""
