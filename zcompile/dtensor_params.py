@@ -161,6 +161,11 @@ class _MeanGrad(torch.autograd.Function):
 
 # -- the graph side
 
+def _calls(node: torch.fx.Node, method: str) -> bool:
+    """`node` calls DTensor.<method>: a call_method node (torch 2.13), or dynamo's `prim_<method>` closure (2.11)."""
+    return node.target == method or getattr(node.target, "__name__", None) == f"prim_{method}"
+
+
 def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, dict, list[int]]:
     """Collapse `placeholder(DTensor) -> redistribute -> to_local` into a plain full-shape placeholder.
 
@@ -174,7 +179,7 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
         if zp is None:
             continue
         for use in list(ph.users):
-            if use.target != "redistribute" or any(u.target != "to_local" for u in use.users):
+            if not _calls(use, "redistribute") or not all(_calls(u, "to_local") for u in use.users):
                 raise ZCompileError(
                     f"parameter {ph.name} of shape {list(zp.shape)} is used as a DTensor inside the compiled region "
                     f"({use.format_node()}); read it as a module attribute (self.<name>) there, which gives the "
