@@ -66,3 +66,15 @@ def test_reference_taken_before_first_forward_fails_loudly():
         assert "reference taken before the first forward" in out["error"]
         assert "shard_parameters" in out["error"]
         assert out["types"] == ["DTensor"] and all(out["frozen_grads"])
+
+
+def test_foreach_and_fused_optimizers_refresh_whole_copies():
+    """Stages 1/2 keep whole parameters between steps: a foreach or fused AdamW step must still refresh them (the
+    next forward reads the stepped values), as at stage 3 where the graph reads the shards."""
+    ref = user_workers.multi_tensor_optimizers(None, 2, [None])
+    for out in run_world(2, user_workers.multi_tensor_optimizers, [1, 2, 3]):
+        for (stage, kind), res in out.items():
+            want = ref[(None, kind)]
+            assert res["losses"] == pytest.approx(want["losses"], rel=1e-5), (stage, kind)
+            for name, value in want["params"].items():
+                torch.testing.assert_close(res["params"][name], value, **TOL, msg=f"{stage} {kind} {name}")

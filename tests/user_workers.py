@@ -176,3 +176,33 @@ def stale_reference(rank: int, world: int) -> dict:
     out["frozen_grads"] = [p.grad is None for p in early]
     out["types"] = sorted({type(p).__name__ for p in early})
     return out
+
+
+def multi_tensor_optimizers(rank: int | None, world: int, stages: list) -> dict:
+    """AdamW with foreach=True and with fused=True at each stage: their kernels write DTensor parameters' local
+    tensors without bumping any version counter, so stages 1/2 must still refresh their whole copies after a step.
+    rank None: the single-process reference (stages ignored)."""
+    from tests.workers import EPS
+    out = {}
+    for stage in stages:
+        for kind in ("foreach", "fused"):
+            torch._dynamo.reset()
+            model = build_model("gpt")
+            run = model if rank is None else torch.compile(model, backend="zero",
+                                                           options={"config": {"stage": stage, "backend": "eager"}})
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=EPS, **{kind: True})
+            losses = []
+            for step in range(3):
+                x = _batch(step, world)
+                ranks = range(world) if rank is None else [rank]
+                loss = sum(loss_of(run, "gpt", rank_slice(x, r, world)) for r in ranks) / len(ranks)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mean = loss.detach().clone()
+                if rank is not None:
+                    dist.all_reduce(mean)
+                    mean /= world
+                losses.append(mean.item())
+            out[(stage, kind)] = {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+    return out

@@ -264,6 +264,9 @@ def _load_dcp(directory: str, model: nn.Module, optimizer, cfg, ctx: DistContext
         set_model_state_dict(module, state["model"])
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for p in module.parameters():  # DCP may write local tensors without bumping version counters
+        if (zp := shard_store.owner(p)) is not None:
+            zp.written = True
     with torch.no_grad():
         for zp in plain:  # registered from the values before loading: take the loaded ones
             if zp.stage >= 2:

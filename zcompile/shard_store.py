@@ -103,6 +103,7 @@ class ShardedParam:
         self._step_grad: torch.Tensor | None = None
         self.dtensor: nn.Parameter | None = None  # the module's DTensor parameter (dtensor_params), if it has one
         self.seen_version = self.versions()  # of the storage the full copy was last gathered from
+        self.written = False  # the shards were written since the last gather, by a step or a load (see stale)
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
         self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
         self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
@@ -253,8 +254,11 @@ class ShardedParam:
                 None if self.dtensor is None else self.dtensor._version)
 
     def stale(self) -> bool:
-        """The whole-parameter copy misses writes to the shards (an optimizer step, a load) since its last gather."""
-        return self.keeps_full and self.full is not None and self.versions() != self.seen_version
+        """The whole-parameter copy misses writes to the shards since its last gather: an optimizer step or a load
+        (`written`, set by them: foreach/fused optimizer kernels on DTensors write the local tensors without bumping
+        any version counter) or another in-place op on the parameter (its version counters)."""
+        return (self.keeps_full and self.full is not None
+                and (self.written or self.versions() != self.seen_version))
 
     def local_slice(self) -> torch.Tensor:
         """This rank's padded slice of the full buffer (stages 1/2)."""
@@ -387,6 +391,7 @@ def gather_full(zps: list[ShardedParam]) -> None:
         for zp in items:
             zp.full.view(zp.world, zp.shard_numel).copy_(per_rank[:, offset:offset + zp.shard_numel])
             zp.seen_version = zp.versions()
+            zp.written = False
             offset += zp.shard_numel
 
 
@@ -512,6 +517,7 @@ def _post_step(optimizer, args, kwargs) -> None:
     zps = _managed(optimizer)
     for zp in zps:
         zp.compiled_calls = 0
+        zp.written = True
         if zp.stage == 1 and zp.dtensor is None:
             zp.exit_step()
         if zp.optim_tier in ("cpu", "nvme"):
