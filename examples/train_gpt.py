@@ -75,7 +75,8 @@ def main() -> None:
     if cfg.offload.optimizer in ("cpu", "nvme"):  # host-side Adam (the nvme tier needs it): fused CPU AdamW
         opt = zcompile.CPUAdam(model.parameters(), lr=args.lr, weight_decay=0.1)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        # foreach: one kernel per op over all parameters (torch's CPU default, a loop, pays DTensor dispatch per op)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
     data = batches(load_corpus(args.data).to(device), args.batch, args.block, ctx.rank, ctx.world, seed=1)
 
     times, losses = [], []

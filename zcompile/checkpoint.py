@@ -155,10 +155,12 @@ def _digest(path: str) -> list:
 
 
 def _publish(partial: str, directory: str) -> None:
+    """At every moment one complete checkpoint is at `directory` or, only between the two renames, at `.old`."""
     old = directory + ".old"
-    shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(directory):
+        shutil.rmtree(old, ignore_errors=True)  # left by a kill after the renames: `directory` is complete
         os.rename(directory, old)
+    # else `.old` may be the only complete checkpoint (a kill between the renames): keep it until this rename
     os.rename(partial, directory)
     shutil.rmtree(old, ignore_errors=True)
 

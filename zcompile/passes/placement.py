@@ -13,16 +13,15 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> None:
-    """Move `node` (and inputs of it that are pure functions of placeholders) before `before`."""
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    if order[node] <= order[before]:
+    """Move `node`, and recursively those of its inputs that come after `before`, before `before`. Nodes compare by
+    position in their graph (fx keeps a sort key per node), so a hoist costs what it moves, not the graph's size."""
+    if not before < node:
         return
     for inp in node.all_input_nodes:
-        if inp.op != "placeholder" and order[inp] > order[before]:
+        if inp.op != "placeholder" and before < inp:
             hoist(graph, inp, before)
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    latest = max(node.all_input_nodes, key=order.get, default=None)
-    if latest is not None and order[latest] >= order[before]:  # `before` is itself an input (e.g. a shard cast)
+    latest = max(node.all_input_nodes, default=None)
+    if latest is not None and not latest < before:  # `before` is itself an input (e.g. a shard cast)
         before = latest.next
     if before is not node:
         before.prepend(node)
