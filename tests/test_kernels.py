@@ -50,8 +50,17 @@ def test_bad_inputs_are_named():
 
 
 def test_triton_kernels_match_reference_bit_exactly_in_interpreter():
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    import numpy
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        # triton 3.6's interpreter turns a runtime loop bound into int(1-element array), which numpy 2.4 refuses
+        # (seen 2026-11-24 with torch 2.11; numpy 2.3.5 passes). Compiled Triton (tests/test_gpu.py) is unaffected.
+        pytest.skip("triton < 3.7's interpreter needs numpy < 2.4 for runtime loop bounds: pip install 'numpy<2.4'")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, os.path.join(root, "tests", "kernel_check.py")], capture_output=True,
                          text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root), cwd=root)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def _version(text: str) -> tuple:
+    return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
