@@ -67,7 +67,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     if optimizer is not None:
         shard_store.adopt_optimizer(optimizer)
     module = _module(model)
-    kind = "dcp" if _dcp_reason(module, optimizer) is None else "sharded"
+    kind = "sharded" if _plain_shards(module) or _steps_other_tensors(module, optimizer) else "dcp"
     mine = {"rng": _rng_state(), "extra": extra or {}}
     if kind == "dcp":
         dcp.save(_dcp_state(module, optimizer), checkpoint_id=partial, process_group=ctx.group)
@@ -86,16 +86,10 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     return directory
 
 
-def _dcp_reason(module: nn.Module, optimizer) -> str | None:
-    """Why this model and optimizer cannot go through DCP (None: they can)."""
+def _steps_other_tensors(module: nn.Module, optimizer) -> bool:
+    """The optimizer steps tensors that are not the module's parameters (host masters): DCP cannot map them."""
     params = {id(p) for p in module.parameters()}
-    if _plain_shards(module):
-        return "some sharded parameters are not DTensors (tiled, NVMe-offloaded or 0-d)"
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            if any(id(p) not in params for p in group["params"]):
-                return "the optimizer steps tensors that are not the module's parameters (host masters)"
-    return None
+    return optimizer is not None and any(id(p) not in params for g in optimizer.param_groups for p in g["params"])
 
 
 def _dcp_state(module: nn.Module, optimizer) -> dict:
@@ -140,10 +134,15 @@ def _write_file(path: str, write) -> None:
 def _checksums(directory: str, ctx: DistContext) -> dict:
     """{file: [bytes, sha256]} of every file in `directory`; the ranks share the hashing."""
     names = sorted(n for n in os.listdir(directory) if n != MANIFEST)
-    mine = {n: _digest(os.path.join(directory, n)) for i, n in enumerate(names) if i % ctx.world == ctx.rank}
+    mine = {n: _digest(os.path.join(directory, n)) for n in _my_share(names, ctx)}
     parts: list = [None] * ctx.world
     dist.all_gather_object(parts, mine, group=ctx.group)
-    return {n: parts[i % ctx.world][n] for i, n in enumerate(names)}
+    return {n: digest for part in parts for n, digest in part.items()}
+
+
+def _my_share(names: list, ctx: DistContext) -> list:
+    """The files this rank hashes, of the sorted `names` (every k-th)."""
+    return sorted(names)[ctx.rank::ctx.world]
 
 
 def _digest(path: str) -> list:
@@ -221,9 +220,8 @@ def _verified_manifest(directory: str, ctx: DistContext) -> dict:
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
         problems = []
-        for i, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
-            if i % ctx.world != ctx.rank:
-                continue
+        for name in _my_share(list(manifest["files"]), ctx):
+            size, digest = manifest["files"][name]
             file = os.path.join(directory, name)
             if not os.path.isfile(file):
                 problems.append(f"{file} is missing")
@@ -256,10 +254,9 @@ def _load_dcp(directory: str, model: nn.Module, optimizer, cfg, ctx: DistContext
         raise CheckpointError(f"{directory}: this model's tiled or NVMe-offloaded parameters already gave their values "
                               "to the shards; load a torch.distributed.checkpoint checkpoint into it before its first "
                               "forward")
-    reason = _dcp_reason(module, optimizer)
-    if optimizer is not None and reason is not None and "optimizer" in reason:
-        raise CheckpointError(f"{directory}: {reason}; load it before the first forward (build the optimizer on "
-                              "model.parameters())")
+    if _steps_other_tensors(module, optimizer):
+        raise CheckpointError(f"{directory}: the optimizer steps tensors that are not the module's parameters (host "
+                              "masters); load it before the first forward (build the optimizer on model.parameters())")
     state = _dcp_state(module, optimizer)
     dcp.load(state, checkpoint_id=directory, process_group=ctx.group)
     if optimizer is None:
