@@ -199,7 +199,7 @@ def test_nvme_files_are_atomic_and_checked(tmp_path, monkeypatch):
     ({"stage": 2, "tiling": {"tiles": 4}}, "'tiling' needs stage 3"),
     ({"tiling": {"tiles": 1}}, "'tiling.tiles' must be >= 2"),
     ({"tiling": {"size": 1}}, "unknown key 'tiling.size'"),
-    ({"over_budget": "ignore"}, "'over_budget' must be 'error' or 'warn'"),
+    ({"over_budget": "ignore"}, "'over_budget' must be one of 'error' or 'warn'"),
     ({"offload": {"optimizer": "auto", "params": "cpu"}}, "'offload.optimizer' is 'auto'"),
     ({"offload": {"optimizer": "cpu", "params": "cpu"}, "pipeline": ["tag_param_recompute", "shard_params",
       "reduce_grads"]}, "lacks the offload_params pass"),

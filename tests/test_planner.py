@@ -5,6 +5,7 @@ import re
 import pytest
 
 from tests import workers
+from zcompile import collectives
 from tests.harness import run_world
 from tests.test_parity import TOL, max_diff
 
@@ -113,7 +114,7 @@ def test_bf16_gathers_sit_at_first_use_not_at_the_top():
     gathers_before_matmul, total = 0, 0
     seen_matmul = False
     for n in fw.graph.nodes:
-        if n.meta.get("zc_comm", {}).get("op") == "all_gather":
+        if collectives.is_op(n, "all_gather"):
             total += 1
             gathers_before_matmul += not seen_matmul
         seen_matmul |= n.op == "call_function" and "mm" in str(n.target)

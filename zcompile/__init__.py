@@ -12,7 +12,7 @@ import torch
 from zcompile.allocator_peak import step_tensor_peak
 from zcompile.backend import planned_step_peak, zero_backend
 from zcompile.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from zcompile.collectives import reset_traffic, traffic
+from zcompile.collective_traffic import reset_traffic, traffic
 from zcompile.config import Config
 from zcompile.errors import (CheckpointError, ConfigError, MemoryBudgetError, NonFiniteGradients, PeerTimeout,
                              ScheduleMismatch, ZCompileError, ZeroError)

@@ -5,6 +5,12 @@
 Parameters arrive as graph inputs and are identified by identity (`example_inputs[i]` is the nn.Parameter), so graph
 breaks and recompiles map them to the same shards. The returned callable replaces each parameter argument with the
 tensor the graph was compiled for (the shard at stages 2/3) and appends the side inputs a pass asked for.
+
+Compiling decides; committing acts. The passes and the planner only rewrite graphs and record decisions (side
+inputs, subgroups, which parameters stay whole, where optimizer state lives). `_GraphCompile.commit_graph` is the
+one step that turns them into runtime state: process groups, whole-parameter buffers and their all-gather, host
+masters, the compiled graph and the function that runs it. `zcompile plan` compiles without committing
+(`dry_backend`): nothing is allocated or communicated, and the "run" returns meta tensors.
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import _disable_current_modes
 
-from zcompile import (backends, collectives, config as zconfig, dtensor_params, liveness, memory_trace, nonfinite,
-                      offload_engine, passes, planner, schedule_check, shard_store, timeline)
+from zcompile import (backends, collectives, config as zconfig, dtensor_params, groups, liveness, memory_trace,
+                      nonfinite, offload_engine, passes, planner, schedule_check, shard_store, timeline)
+from zcompile import collective_traffic
 from zcompile.dist_context import DistContext, set_group_timeout
 from zcompile.dump import GraphDumper
 from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
@@ -31,7 +38,7 @@ from zcompile.pass_context import PassContext
 from zcompile.passes import placement
 from zcompile.topology import Topology
 
-_graph_ids = itertools.count()
+_graph_ids = itertools.count()  # numbers graphs in dumps and messages, per process
 
 
 def _refresh_meta(gm: fx.GraphModule, inputs: list | None = None) -> list:
@@ -104,8 +111,9 @@ class _GraphCompile:
     """One dynamo graph's trip through the passes and the compiler."""
 
     def __init__(self, cfg: zconfig.Config, ctx: DistContext, params: dict[int, shard_store.ShardedParam],
-                 num_args: int, identity: int = 0, inputs_text: str = ""):
+                 num_args: int, identity: int = 0, inputs_text: str = "", commit: bool = True):
         self.cfg, self.ctx, self.params, self.num_args = cfg, ctx, params, num_args
+        self.commit = commit  # False: a dry compile (zcompile plan), whose graphs are analyzed, never run
         self.identity, self.inputs_text = identity, inputs_text  # schedule_check.graph_identity; what the inputs are
         self.schedule_identity = 0  # schedule_check.fingerprint of the compiled graphs
         self.graph_id = next(_graph_ids)
@@ -166,8 +174,7 @@ class _GraphCompile:
         chosen, why = planner.choose_persistent(undecided, self.cfg.persist_threshold_bytes, headroom)
         for zp in undecided:
             zp.persist_decided = True
-        with _disable_current_modes():  # real buffers and a real all-gather, not AOTAutograd's fake tracing mode
-            shard_store.make_persistent(chosen)
+            zp.persistent = zp in chosen  # decided here; the commit step gives them their whole buffers
         if chosen or budget is not None or self.cfg.persist_threshold_bytes:
             self.notes.append(why)
 
@@ -184,9 +191,8 @@ class _GraphCompile:
         peak = planner.step_peak(state, lives)
         auto = [zp for zp in zps if zp.optim_tier == "auto"]
         if auto:  # offload.optimizer auto: the optimizer state stays on the device if the step fits with it there
-            with _disable_current_modes():  # a real host master, not a fake tensor of AOTAutograd's tracing
-                for zp in auto:
-                    zp.decide_optimizer_tier(offload=peak > budget)
+            for zp in auto:
+                zp.decide_optimizer_tier(offload=peak > budget)
             self.notes.append(f"offload: optimizer state of {len(auto)} param(s) "
                               + ("on the host (the step does not fit the budget with it on the device)"
                                  if peak > budget else "on the device (the step fits the budget)"))
@@ -256,8 +262,21 @@ class _GraphCompile:
         if not _propagated_for(phs, fake_inputs):
             _refresh_meta(gm, fake_inputs)
         planned = self.planned[kind] = liveness.analyze(gm)
-        if self.ctx.planning:
-            return _stop_planning
+        if not self.commit:
+            return _dry_runner(gm)
+        return self.commit_graph(kind, gm, fake_inputs, pctx, planned)
+
+    def commit_graph(self, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: PassContext,
+                     planned: liveness.Liveness):
+        """The commit step: what compiling decided becomes runtime state, and the graph becomes a function.
+        Every rank reaches it at the same point (process groups and whole-parameter gathers are collective)."""
+        zps = list(self.params.values())
+        with _disable_current_modes():  # real buffers and collectives, not AOTAutograd's fake tracing mode
+            shard_store.make_persistent(zps)
+            for zp in zps:
+                zp.attach_master()
+            made = {g.name: groups.realize(self.ctx, g, self.cfg.collective_timeout_s).name for g in pctx.subgroups}
+        collectives.rename_groups(gm, made)
         compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
@@ -266,7 +285,6 @@ class _GraphCompile:
 
         check = self.run_check(kind)
         watch_loss = kind == "forward" and self.cfg.nonfinite != "off"
-        zps = list(self.params.values())
         whole = [zp for zp in zps if zp.keeps_full] if kind != "backward" else []
 
         def run_graph(args):
@@ -275,7 +293,7 @@ class _GraphCompile:
                 check(bool(stale))
             if stale:
                 shard_store.gather_full(stale)
-            collectives.count(sched)
+            collective_traffic.count(sched)
             if reads:
                 offload_engine.start_reads(read_ahead)
             if side:
@@ -301,17 +319,20 @@ def _on_tier(node: fx.Node, example: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(example.shape, example.stride(), dtype=example.dtype, device="cpu")
 
 
-class PlanCaptured(Exception):
-    """Raised instead of running a graph compiled under dist_context.planning(): the plan is in the jobs."""
+def _dry_runner(gm: fx.GraphModule):
+    """A dry compile's graph function: meta tensors shaped like the graph's outputs, nothing computed."""
+    (outs,) = gm.graph.output_node().args
+    vals = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in outs]
+
+    def run(args):
+        return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                if isinstance(v, torch.Tensor) else v for v in vals]
+
+    run._boxed_call = True
+    return run
 
 
-def _stop_planning(args):
-    raise PlanCaptured()
-
-
-_stop_planning._boxed_call = True
-JOBS: list = []  # graphs compiled under dist_context.planning(), for zcompile.plan to read
-_COMPILED: weakref.WeakSet = weakref.WeakSet()  # graphs compiled for running and still in use (planned_step_peak)
+_COMPILED: weakref.WeakSet = weakref.WeakSet()  # registry: committed graphs still in use (planned_step_peak)
 
 
 def planned_step_peak() -> int:
@@ -326,7 +347,7 @@ def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     """The `zero` backend for torch.compile."""
     try:
         return _compile(gm, example_inputs, options, **kwargs)
-    except (ZeroError, PlanCaptured):
+    except ZeroError:
         raise
     except Exception as e:
         # dynamo turns some exception types into a graph break that runs eager code; re-raise as our own type.
@@ -354,8 +375,30 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     cfg = frozen_config(options)
     ctx = DistContext.current()
     set_group_timeout(ctx, cfg.collective_timeout_s)
-    if cfg.stage >= 1 and not ctx.planning:
+    if cfg.stage >= 1:
         _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
+    job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=True)
+    _COMPILED.add(job)
+    for zp in job.params.values():
+        zp.nonfinite = cfg.nonfinite
+        zp.release_full()
+    return run
+
+
+def dry_backend(cfg: zconfig.Config, ctx: DistContext, jobs: list):
+    """A dynamo backend that compiles for `ctx` (DistContext.without_group) without committing: every graph's
+    passes, planner and analysis run, nothing is allocated or communicated, each graph's `_GraphCompile` is
+    appended to `jobs`, and running the result returns meta tensors. For zcompile plan (use schedule_check=False:
+    there is no group to agree over)."""
+    def backend(gm: fx.GraphModule, example_inputs):
+        job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=False)
+        jobs.append(job)
+        return run
+    return backend
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx: DistContext, commit: bool):
+    """One dynamo graph through the passes and AOTAutograd: (its _GraphCompile, the function dynamo calls)."""
     example_inputs = list(example_inputs)
     example_inputs, dparams, dropped = dtensor_params.unwrap_graph(gm, example_inputs)
     is_param = [isinstance(x, nn.Parameter) or i in dparams for i, x in enumerate(example_inputs)]
@@ -364,7 +407,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     if cfg.schedule_check:  # before anything here communicates: a rank compiling alone meets the others' checks
         schedule_check.exchange(ctx, schedule_check.record(schedule_check.COMPILE, identity,
                                                            f"a new graph for {inputs_text}"), cfg.collective_timeout_s)
-    params = {i: shard_store.register_for(cfg, ctx, x) for i, x in enumerate(example_inputs)
+    params = {i: shard_store.register_for(cfg, ctx, x, attach=commit) for i, x in enumerate(example_inputs)
               if isinstance(x, nn.Parameter) and i not in dparams}
     for i, zp in dparams.items():
         if zp.stage != cfg.stage or zp.world != ctx.world:
@@ -372,13 +415,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
                                 f"this compile asks for stage {cfg.stage} over {ctx.world}: use one config per model")
         params[i] = zp
     params = dict(sorted(params.items()))
-    job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text)
-    for zp in params.values():
-        zp.nonfinite = cfg.nonfinite
-    if ctx.planning:
-        JOBS.append(job)
-    else:
-        _COMPILED.add(job)
+    job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text, commit)
     job.dump("dynamo", "input", gm)
     gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 
@@ -390,9 +427,6 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
         decompositions=select_decomp_table(),
     )(gm, example_inputs)
 
-    for zp in params.values():
-        zp.release_full()
-
     skip, kept = set(dropped), len(example_inputs)
 
     def run(*args):
@@ -403,7 +437,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
         return compiled(*args)
 
     run.zc_job = job
-    return run
+    return job, run
 
 
 class _ParametersSharded(torch._dynamo.exc.RestartAnalysis, ZeroError):

@@ -9,7 +9,7 @@ the `_out` variant uses `_allgather_base`, as FSDP2 does. tests/test_collectives
 """
 from __future__ import annotations
 
-import collections
+import dataclasses
 import operator
 
 import torch
@@ -25,12 +25,68 @@ COLLECTIVE_OPS = {
 }
 
 
-def _annotate(node: fx.Node, op: str, nbytes: int, group: str, why: str, numel: int,
-              dtype: torch.dtype | None = None, ranks: tuple[int, ...] | None = None) -> None:
-    """`bytes`: what one rank's side of the collective holds (all-gather output, reduce-scatter / all-to-all input).
-    `ranks`: the group's global ranks, when it is not the whole world (for cross-node accounting)."""
-    node.meta["zc_comm"] = {"op": op, "bytes": int(nbytes), "group": group, "why": why, "numel": int(numel),
-                            "dtype": dtype, "ranks": ranks}
+KEY = "zc_comm"  # node.meta key of a collective's record
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """What one collective node moves and why. `bytes`: what one rank's side holds (all-gather output,
+    reduce-scatter / all-to-all input); `ranks`: the group's global ranks when it is not the whole world.
+    The fields after `ranks` are set by particular passes for later ones (see pass_contracts: writes/reads).
+    Frozen: a copied graph shares its nodes' meta with the original, so a pass replaces a record (`update`)."""
+    op: str
+    bytes: int
+    group: str
+    why: str
+    numel: int
+    dtype: torch.dtype | None = None
+    ranks: tuple[int, ...] | None = None
+    param: int | None = None                # shard_params: argument index of the gathered parameter
+    tile: tuple[int, int] | None = None     # (parameter index, tile) of a tile_linears weight tile
+    members: list[int] | None = None        # bucket_collectives: per-rank segment sizes of a reduce-scatter bucket
+    cross_node: bool | None = None          # mark_cross_node: the group spans nodes (None: not marked yet)
+    cross_bytes: int = 0                    # mark_cross_node: of `bytes`, the share crossing nodes
+
+    def extra_fields(self) -> set[str]:
+        """The pass-written fields that are set (see pass_contracts)."""
+        return {f for f in ("param", "tile", "members") if getattr(self, f) is not None}
+
+    def as_dict(self, node: str) -> dict:
+        return dict(vars(self), node=node)
+
+
+def record(node: fx.Node) -> Collective | None:
+    """The record of a collective node (None for any other node)."""
+    return node.meta.get(KEY)
+
+
+def update(node: fx.Node, **fields) -> Collective:
+    """Replace the record of collective `node` by a copy with `fields` changed."""
+    node.meta[KEY] = rec = dataclasses.replace(node.meta[KEY], **fields)
+    return rec
+
+
+def rename_groups(gm: fx.GraphModule, names: dict[str, str]) -> None:
+    """Collectives over group `old` now name group `names[old]` (a subgroup spec becoming its process group)."""
+    if not names:
+        return
+    for n in gm.graph.nodes:
+        rec = record(n)
+        if rec is not None and rec.group in names:
+            n.args = tuple(names.get(a, a) if isinstance(a, str) else a for a in n.args)
+            update(n, group=names[rec.group])
+    gm.recompile()
+
+
+def is_op(node: fx.Node, *ops: str) -> bool:
+    rec = node.meta.get(KEY)
+    return rec is not None and rec.op in ops
+
+
+def annotate(node: fx.Node, op: str, nbytes: int, group: str, why: str, numel: int,
+             dtype: torch.dtype | None = None, ranks: tuple[int, ...] | None = None) -> Collective:
+    node.meta[KEY] = rec = Collective(op, int(nbytes), group, why, int(numel), dtype, ranks)
+    return rec
 
 
 def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, world: int, group: str,
@@ -38,7 +94,7 @@ def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, 
     """All-gather a flat [numel] shard into a flat [world*numel] tensor; returns the wait node."""
     out = graph.call_function(aten.new_empty.default, (shard, [world * numel]))
     ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (shard, world, group), {"out": out})
-    _annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why, numel * world, dtype, ranks)
+    annotate(ag, "all_gather", numel * world * dtype.itemsize, group, why, numel * world, dtype, ranks)
     return graph.call_function(c10d.wait_tensor.default, (ag,))
 
 
@@ -47,7 +103,7 @@ def all_to_all(graph: fx.Graph, rows: fx.Node, numel: int, dtype: torch.dtype, g
     rank j, and row j of the result came from group rank j. Returns the wait node."""
     split = [numel // group.size] * group.size
     a2a = graph.call_function(c10d.all_to_all_single.default, (rows, split, split, group.name))
-    _annotate(a2a, "all_to_all", numel * dtype.itemsize, group.name, why, numel, dtype, group.ranks)
+    annotate(a2a, "all_to_all", numel * dtype.itemsize, group.name, why, numel, dtype, group.ranks)
     return graph.call_function(c10d.wait_tensor.default, (a2a,))
 
 
@@ -55,13 +111,13 @@ def reduce_scatter(graph: fx.Graph, flat: fx.Node, numel: int, dtype: torch.dtyp
                    why: str) -> fx.Node:
     """Sum-reduce-scatter a flat [numel] tensor (numel divisible by world); returns the wait node."""
     rs = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
-    _annotate(rs, "reduce_scatter", numel * dtype.itemsize, group, why, numel, dtype)
+    annotate(rs, "reduce_scatter", numel * dtype.itemsize, group, why, numel, dtype)
     return graph.call_function(c10d.wait_tensor.default, (rs,))
 
 
 def all_reduce(graph: fx.Graph, tensor: fx.Node, numel: int, dtype: torch.dtype, group: str, why: str) -> fx.Node:
     ar = graph.call_function(c10d.all_reduce.default, (tensor, "sum", group))
-    _annotate(ar, "all_reduce", numel * dtype.itemsize, group, why, numel, dtype)
+    annotate(ar, "all_reduce", numel * dtype.itemsize, group, why, numel, dtype)
     return graph.call_function(c10d.wait_tensor.default, (ar,))
 
 
@@ -96,7 +152,7 @@ def replace_gather(graph: fx.Graph, ag: fx.Node, value: fx.Node) -> None:
 def limit_in_flight(graph: fx.Graph, ops: tuple[str, ...]) -> None:
     """Wait for each collective of `ops` right before the next one is issued (one in flight), so its input buffer
     is released as the graph goes instead of at the end."""
-    colls = [n for n in graph.nodes if n.meta.get("zc_comm", {}).get("op") in ops]
+    colls = [n for n in graph.nodes if is_op(n, *ops)]
     order = {n: k for k, n in enumerate(graph.nodes)}
     for cur, nxt in zip(colls, colls[1:]):
         for w in waits_of(cur):
@@ -110,40 +166,14 @@ def limit_in_flight(graph: fx.Graph, ops: tuple[str, ...]) -> None:
 
 def schedule(gm: fx.GraphModule) -> list[dict]:
     """The collectives of a graph in issue order, as recorded by the passes."""
-    return [dict(n.meta["zc_comm"], node=n.name) for n in gm.graph.nodes if "zc_comm" in n.meta]
+    return [n.meta[KEY].as_dict(n.name) for n in gm.graph.nodes if KEY in n.meta]
 
 
 def mark_cross_node(gm: fx.GraphModule, topology, world_ranks) -> None:
     """Record on every collective whether its group spans nodes, and its bytes' share that crosses them
     (Topology.cross_fraction)."""
     for n in gm.graph.nodes:
-        c = n.meta.get("zc_comm")
+        c = record(n)
         if c is not None:
-            fraction = topology.cross_fraction(c.get("ranks") or world_ranks)
-            c["cross_node"] = fraction > 0
-            c["cross_bytes"] = round(c["bytes"] * fraction)
-
-
-# Bytes of every collective this process issued (compiled graphs and optimizer-step refreshes), by op; and the part
-# of them that crosses node boundaries.
-TRAFFIC: collections.Counter = collections.Counter()
-CROSS_NODE: collections.Counter = collections.Counter()
-
-
-def count(sched: list[dict]) -> None:
-    for c in sched:
-        TRAFFIC[c["op"]] += c["bytes"]
-        if c.get("cross_bytes"):
-            CROSS_NODE[c["op"]] += c["cross_bytes"]
-
-
-def traffic(cross_node: bool = False) -> dict[str, int]:
-    """Collective bytes issued by this process since the last reset_traffic(), by op. With cross_node=True, this
-    rank's share of the bytes that cross node boundaries (see Topology.cross_fraction and `ranks_per_node`): for
-    plain ZeRO-3 over K nodes of G ranks, (K-1)/(K*G) of all bytes."""
-    return dict(CROSS_NODE if cross_node else TRAFFIC)
-
-
-def reset_traffic() -> None:
-    TRAFFIC.clear()
-    CROSS_NODE.clear()
+            fraction = topology.cross_fraction(c.ranks or world_ranks)
+            update(n, cross_node=fraction > 0, cross_bytes=round(c.bytes * fraction))

@@ -1,7 +1,10 @@
-"""YAML configuration: loading and schema validation.
+"""YAML configuration: one declarative schema, loading and validation.
 
-Every key is declared once in SCHEMA; an unknown key, a wrong type or an impossible combination raises ConfigError
-naming the key and the file, before anything is traced or communicated.
+Every key is declared once in SCHEMA (types, default, meaning, allowed values, the stages it applies to); the
+dataclasses below take their defaults from it, and `from_dict` checks each key against its declaration, then the
+few rules that relate keys to each other. An unknown key, a wrong type or an impossible combination raises
+ConfigError naming the key and the file, before anything is traced or communicated. Which pass a key turns on is
+declared in pass_contracts (`enabled_by`).
 """
 from __future__ import annotations
 
@@ -13,16 +16,126 @@ from typing import Any
 import torch
 import yaml
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
 from zcompile.errors import ConfigError  # noqa: F401  (re-exported: zcompile.config.ConfigError)
+from zcompile.pass_contracts import CONTRACTS, DEFAULT_PIPELINE, check_pipeline
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STAGES = (0, 1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """A config key: its YAML types, default and meaning, and the checks that need no other key."""
+    types: tuple
+    default: Any
+    doc: str
+    choices: tuple = ()          # the allowed values
+    min: float | None = None     # the smallest allowed value
+    positive: bool = False       # > 0
+    multiple: int = 1            # a multiple of this (int4 blocks: even)
+    size: str | None = None      # "bytes": '64KiB' or a count; "budget": also a fraction of device memory
+    stages: tuple = STAGES       # stages it may be set at (away from its default)
+    refused: tuple = ()          # (value, why) pairs refused with a reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A mapping of keys; absent, the feature it configures is off (optional) or takes its defaults."""
+    keys: dict
+    doc: str
+    optional: bool = False       # absent -> None
+    stages: tuple = STAGES       # stages it may be given at
+
+
+_NONE = type(None)
+_SIZE = (str, int)
+
+SCHEMA: dict[str, Any] = {
+    "stage": Key((int,), 3, "ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+gradients), 3 (+parameters)",
+                 choices=STAGES),
+    "backend": Key((str,), "inductor", "graph compiler: 'inductor' (Triton on GPU, C++ on CPU) or 'eager' (FX code "
+                   "as-is)", choices=("inductor", "eager")),
+    "mixed_precision": Section({
+        "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
+                           refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
+        "reduce_dtype": Key((str,), "fp32", "gradient communication dtype: fp32 or bf16", choices=tuple(DTYPES),
+                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
+    }, "compute and gradient-reduction dtypes"),
+    "dump": Key((str, _NONE), None, "directory for per-rank, per-pass graph dumps (ZCOMPILE_DUMP_DIR overrides)"),
+    "pipeline": Key((list, _NONE), None, "ordered pass names; default: the stage's pipeline"),
+    "schedule_check": Key((bool,), True, "ranks compare a hash of their collective schedule before the first run"),
+    "collective_timeout_s": Key((int, float), 300.0, "seconds before a rank waiting on peers fails instead of "
+                                "hanging", positive=True),
+    "bucket_mb": Key((int, float), 25.0, "collectives are fused into buckets of up to this many MiB (0: one per "
+                     "parameter)", min=0),
+    "prefetch": Key((int,), 1, "all-gathers issued this many buckets ahead of their use (0: right before use)", min=0),
+    "memory_budget": Key((str, int, float, _NONE), None, "cap on a rank's planned step peak: '12GiB', bytes, or a "
+                         "fraction of device memory", size="budget"),
+    "over_budget": Key((str,), "error", "a plan whose step peak exceeds memory_budget: 'error' (default) or 'warn'",
+                       choices=("error", "warn")),
+    "persist_threshold": Key(_SIZE, 0, "stage 3: parameters of at most this many bytes stay whole (no gathers): "
+                             "'64KiB' or bytes", size="bytes", stages=(3,)),
+    "quantize_weights": Section({
+        "bits": Key((int,), 8, "qwZ: bits per weight in forward all-gathers (8)", choices=(8,)),
+        "block": Key((int,), 2048, "qwZ: elements per quantization block, each with its own fp32 scale",
+                     positive=True),
+    }, "ZeRO++ qwZ: int8 weights in forward all-gathers", optional=True, stages=(3,)),
+    "quantize_gradients": Section({
+        "bits": Key((int,), 4, "qgZ: bits per gradient value in the hierarchical all-to-all reduction (4)",
+                    choices=(4,)),
+        "block": Key((int,), 512, "qgZ: elements per quantization block (even), each with its own fp32 scale",
+                     positive=True, multiple=2),
+    }, "ZeRO++ qgZ: int4 hierarchical gradient reduction", optional=True, stages=(2, 3)),
+    "hpz_partition_size": Key((int,), 1, "hpZ: backward re-gathers from a secondary copy partitioned over this many "
+                              "consecutive ranks (ideally ranks_per_node); 1: off", min=1, stages=(3,)),
+    "ranks_per_node": Key((int, _NONE), None, "ranks per node, for intra/cross-node accounting (default: torchrun's "
+                          "LOCAL_WORLD_SIZE)", positive=True),
+    "offload": Section({
+        "optimizer": Key((str,), "none", "none, cpu, nvme or auto (cpu only if the memory_budget needs it): where the "
+                         "fp32 master and Adam moments live and are stepped", choices=("none", "cpu", "nvme", "auto"),
+                         stages=(2, 3)),
+        "params": Key((str,), "none", "none, cpu or nvme: stage 3 parameter shards off the device, reloaded before "
+                      "gathers", choices=("none", "cpu", "nvme"), stages=(3,)),
+        "activations": Key((str,), "none", "none or cpu: saved activations of at least activation_min_bytes go to "
+                           "the host", choices=("none", "cpu"), stages=(2, 3)),
+        "nvme_path": Key((str, _NONE), None, "directory for nvme-tier files (a local SSD); each process writes under "
+                         "its own zcompile-<host>-<pid> subdirectory, so jobs can share it"),
+        "nvme_keep": Key((bool,), False, "keep each process's NVMe directory at exit (default: removed at a clean "
+                         "exit)"),
+        "activation_min_bytes": Key(_SIZE, 1 << 20, "smallest saved activation to offload: '1MiB' or bytes",
+                                    size="bytes"),
+        "overlap": Key((bool,), True, "NVMe reads run ahead of their use on a thread pool (false: read when needed)"),
+    }, "ZeRO-Infinity tiers"),
+    "nonfinite": Key((str,), "off", "off, warn, skip or error: at optimizer.step(), all ranks learn whether any "
+                     "rank's loss or gradients are NaN/inf and warn, skip the step, or raise NonFiniteGradients (one "
+                     "small all-reduce per step when not off)", choices=("off", "warn", "skip", "error")),
+    "tiling": Section({
+        "min_bytes": Key(_SIZE, 64 << 20, "a linear whose weight has at least this many bytes is tiled: '64MiB' or "
+                         "bytes", size="bytes", positive=True),
+        "tiles": Key((int,), 4, "tiles per tiled linear (its output features are split this many ways)", min=2),
+    }, "memory-centric tiling of big linears", optional=True, stages=(3,)),
+}
+
+_WHY_STAGES = {  # why a key applies to some stages only, for its error
+    "persist_threshold": "stage {stage} keeps every parameter whole or steps them without gathers",
+    "quantize_weights": "only stage 3 gathers parameters",
+    "quantize_gradients": "it replaces the gradient reduce-scatter; stage {stage} all-reduces",
+    "hpz_partition_size": "only stage 3 re-gathers parameters",
+    "offload.optimizer": "the optimizer steps a flat shard there; stage {stage} steps the parameters in place",
+    "offload.params": "only stage 3 keeps parameters as shards",
+    "offload.activations": "stage {stage} saves whole activations only where stages 2/3 would",
+    "tiling": "tiles are gathered one after another",
+}
+
+
+def _default(section: str, key: str):
+    return SCHEMA[section].keys[key].default
 
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
-    param_dtype: torch.dtype = torch.float32   # dtype of forward/backward compute
-    reduce_dtype: torch.dtype = torch.float32  # dtype gradients are communicated in
+    param_dtype: torch.dtype = DTYPES[_default("mixed_precision", "param_dtype")]   # dtype of forward/backward
+    reduce_dtype: torch.dtype = DTYPES[_default("mixed_precision", "reduce_dtype")]  # dtype gradients move in
 
     @property
     def enabled(self) -> bool:
@@ -31,27 +144,26 @@ class MixedPrecision:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeWeights:
-    bits: int = 8
-    block: int = 2048
+    bits: int = _default("quantize_weights", "bits")
+    block: int = _default("quantize_weights", "block")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeGradients:
-    bits: int = 4
-    block: int = 512
+    bits: int = _default("quantize_gradients", "bits")
+    block: int = _default("quantize_gradients", "block")
 
 
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """ZeRO-Infinity tiers: where optimizer state, parameter shards and saved activations live between uses."""
-    optimizer: str = "none"    # none | cpu | nvme | auto: fp32 master + Adam moments off the device (auto: when
-    #                            the memory_budget needs it)
-    params: str = "none"       # none | cpu | nvme: stage-3 parameter shards off the device, reloaded before gathers
-    activations: str = "none"  # none | cpu: saved activations of at least activation_min_bytes
-    nvme_path: str | None = None
-    nvme_keep: bool = False    # keep this process's NVMe directory at exit (default: removed)
-    activation_min_bytes: int = 1 << 20
-    overlap: bool = True       # NVMe reads run ahead on a thread pool (false: read at the reload, for benchmarks)
+    optimizer: str = _default("offload", "optimizer")
+    params: str = _default("offload", "params")
+    activations: str = _default("offload", "activations")
+    nvme_path: str | None = _default("offload", "nvme_path")
+    nvme_keep: bool = _default("offload", "nvme_keep")
+    activation_min_bytes: int = _default("offload", "activation_min_bytes")
+    overlap: bool = _default("offload", "overlap")
 
     @property
     def any(self) -> bool:
@@ -60,31 +172,31 @@ class Offload:
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    min_bytes: int = 64 << 20  # a linear whose weight has at least this many bytes is tiled
-    tiles: int = 4
+    min_bytes: int = _default("tiling", "min_bytes")  # a linear whose weight has at least this many bytes is tiled
+    tiles: int = _default("tiling", "tiles")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    stage: int = 3
-    backend: str = "inductor"
+    stage: int = SCHEMA["stage"].default
+    backend: str = SCHEMA["backend"].default
     mixed_precision: MixedPrecision = MixedPrecision()
-    dump: str | None = None
-    pipeline: tuple[str, ...] | None = None
-    schedule_check: bool = True
-    collective_timeout_s: float = 300.0
-    bucket_mb: float = 25.0
-    prefetch: int = 1
-    memory_budget: str | float | None = None
-    over_budget: str = "error"  # a plan over memory_budget: "error" (MemoryBudgetError) or "warn" (noted in dumps)
-    persist_threshold: str | int = 0
+    dump: str | None = SCHEMA["dump"].default
+    pipeline: tuple[str, ...] | None = SCHEMA["pipeline"].default
+    schedule_check: bool = SCHEMA["schedule_check"].default
+    collective_timeout_s: float = SCHEMA["collective_timeout_s"].default
+    bucket_mb: float = SCHEMA["bucket_mb"].default
+    prefetch: int = SCHEMA["prefetch"].default
+    memory_budget: str | float | None = SCHEMA["memory_budget"].default
+    over_budget: str = SCHEMA["over_budget"].default
+    persist_threshold: str | int = SCHEMA["persist_threshold"].default
     quantize_weights: QuantizeWeights | None = None  # ZeRO++ qwZ
     quantize_gradients: QuantizeGradients | None = None  # ZeRO++ qgZ
-    hpz_partition_size: int = 1  # ZeRO++ hpZ: ranks a secondary parameter copy is partitioned over (1: off)
-    ranks_per_node: int | None = None
+    hpz_partition_size: int = SCHEMA["hpz_partition_size"].default
+    ranks_per_node: int | None = SCHEMA["ranks_per_node"].default
     offload: Offload = Offload()
     tiling: Tiling | None = None
-    nonfinite: str = "off"  # off | warn | skip | error: what optimizer.step() does when any rank's gradients are not finite
+    nonfinite: str = SCHEMA["nonfinite"].default
     source: str = "<defaults>"
 
     def memory_budget_bytes(self, device: torch.device) -> int | None:
@@ -97,68 +209,15 @@ class Config:
 
     @property
     def passes(self) -> tuple[str, ...]:
-        """The pass pipeline: the YAML's, or the default for the stage."""
+        """The pass pipeline: the YAML's, or the default."""
         if self.pipeline is not None:
             return self.pipeline
-        return ("mixed_precision", "tile_linears", "tag_param_recompute", "shard_params", "offload_params",
-                "secondary_partition", "quantize_weights", "reduce_grads", "bucket_collectives", "quantize_gradients",
-                "offload_activations", "prefetch")
+        return DEFAULT_PIPELINE
 
     @property
     def dump_dir(self) -> str | None:
         return os.environ.get("ZCOMPILE_DUMP_DIR") or self.dump
 
-
-# key -> (allowed python types, description); nested sections are dicts of the same form.
-SCHEMA: dict[str, Any] = {
-    "stage": ((int,), "ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+gradients), 3 (+parameters)"),
-    "backend": ((str,), "graph compiler: 'inductor' (Triton on GPU, C++ on CPU) or 'eager' (FX code as-is)"),
-    "mixed_precision": {
-        "param_dtype": ((str,), "compute dtype: fp32 or bf16"),
-        "reduce_dtype": ((str,), "gradient communication dtype: fp32 or bf16"),
-    },
-    "dump": ((str, type(None)), "directory for per-rank, per-pass graph dumps (ZCOMPILE_DUMP_DIR overrides)"),
-    "pipeline": ((list, type(None)), "ordered pass names; default: the stage's pipeline"),
-    "schedule_check": ((bool,), "ranks compare a hash of their collective schedule before the first run"),
-    "collective_timeout_s": ((int, float), "seconds before a rank waiting on peers fails instead of hanging"),
-    "bucket_mb": ((int, float), "collectives are fused into buckets of up to this many MiB (0: one per parameter)"),
-    "prefetch": ((int,), "all-gathers issued this many buckets ahead of their use (0: right before use)"),
-    "memory_budget": ((str, int, float, type(None)),
-                      "cap on a rank's planned step peak: '12GiB', bytes, or a fraction of device memory"),
-    "over_budget": ((str,), "a plan whose step peak exceeds memory_budget: 'error' (default) or 'warn'"),
-    "quantize_weights": {
-        "bits": ((int,), "qwZ: bits per weight in forward all-gathers (8)"),
-        "block": ((int,), "qwZ: elements per quantization block, each with its own fp32 scale"),
-    },
-    "quantize_gradients": {
-        "bits": ((int,), "qgZ: bits per gradient value in the hierarchical all-to-all reduction (4)"),
-        "block": ((int,), "qgZ: elements per quantization block (even), each with its own fp32 scale"),
-    },
-    "hpz_partition_size": ((int,), "hpZ: backward re-gathers from a secondary copy partitioned over this many "
-                                   "consecutive ranks (ideally ranks_per_node); 1: off"),
-    "ranks_per_node": ((int, type(None)),
-                       "ranks per node, for intra/cross-node accounting (default: torchrun's LOCAL_WORLD_SIZE)"),
-    "persist_threshold": ((str, int),
-                          "stage 3: parameters of at most this many bytes stay whole (no gathers): '64KiB' or bytes"),
-    "offload": {
-        "optimizer": ((str,), "none, cpu, nvme or auto (cpu only if the memory_budget needs it): where the fp32 "
-                              "master and Adam moments live and are stepped"),
-        "params": ((str,), "none, cpu or nvme: stage 3 parameter shards off the device, reloaded before gathers"),
-        "activations": ((str,), "none or cpu: saved activations of at least activation_min_bytes go to the host"),
-        "nvme_path": ((str, type(None)), "directory for nvme-tier files (a local SSD); each process writes under its "
-                                         "own zcompile-<host>-<pid> subdirectory, so jobs can share it"),
-        "nvme_keep": ((bool,), "keep each process's NVMe directory at exit (default: removed at a clean exit)"),
-        "activation_min_bytes": ((str, int), "smallest saved activation to offload: '1MiB' or bytes"),
-        "overlap": ((bool,), "NVMe reads run ahead of their use on a thread pool (false: read when needed)"),
-    },
-    "nonfinite": ((str,), "off, warn, skip or error: at optimizer.step(), all ranks learn whether any rank's loss or "
-                          "gradients are NaN/inf and warn, skip the step, or raise NonFiniteGradients (one small "
-                          "all-reduce per step when not off)"),
-    "tiling": {
-        "min_bytes": ((str, int), "a linear whose weight has at least this many bytes is tiled: '64MiB' or bytes"),
-        "tiles": ((int,), "tiles per tiled linear (its output features are split this many ways)"),
-    },
-}
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
@@ -199,175 +258,130 @@ def parse_bytes(value, device: torch.device | None = None, where: str = "<config
     raise ConfigError(f"{where}: key '{key}' must be like '12GiB', {what}, got {value!r}")
 
 
-def _check_section(raw: dict, schema: dict, where: str, prefix: str = "") -> None:
+def _either(values) -> str:
+    shown = [repr(v) if isinstance(v, str) else str(v) for v in values]
+    return shown[0] if len(shown) == 1 else "one of " + ", ".join(shown[:-1]) + " or " + shown[-1]
+
+
+def _check_key(name: str, key: Key, value, where: str):
+    """`value` checked against its declaration; sizes come back in bytes."""
+    # bool is an int in Python; a YAML 'true' is not a stage number.
+    if isinstance(value, bool) and bool not in key.types or not isinstance(value, key.types):
+        want = " or ".join("null" if t is _NONE else t.__name__ for t in key.types)
+        raise ConfigError(f"{where}: key '{name}' must be {want} ({key.doc}), got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: key '{name}' must be a finite number ({key.doc}), got {value!r}")
+    for refused, why in key.refused:
+        if value == refused:
+            raise ConfigError(f"{where}: key '{name}': {why}")
+    if key.choices and value not in key.choices:
+        shown = value if isinstance(value, (int, float)) else repr(value)
+        raise ConfigError(f"{where}: key '{name}' must be {_either(key.choices)}, got {shown}")
+    if key.size is not None:
+        value = parse_bytes(value, None, where, name, fraction=key.size == "budget")
+    if value is None or isinstance(value, str):
+        return value
+    if key.positive and value <= 0 or key.multiple > 1 and value % key.multiple:
+        what = {1: "positive", 2: "positive even number of elements"}[key.multiple]
+        raise ConfigError(f"{where}: key '{name}' must be {'a ' if key.multiple > 1 else ''}{what}, got {value}")
+    if key.min is not None and value < key.min:
+        raise ConfigError(f"{where}: key '{name}' must be >= {key.min}, got {value}")
+    return value
+
+
+def _read(raw, schema: dict, where: str, prefix: str = "") -> dict:
+    """The values of one mapping, checked key by key, with the defaults of absent keys (sizes in bytes)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: '{prefix.rstrip('.') or '<top level>'}' must be a mapping, got {type(raw).__name__}")
-    for key, value in raw.items():
-        name = prefix + str(key)
-        if key not in schema:
-            known = ", ".join(sorted(schema))
-            raise ConfigError(f"{where}: unknown key '{name}' (known keys here: {known})")
-        spec = schema[key]
-        if isinstance(spec, dict):
-            _check_section(value, spec, where, name + ".")
-            continue
-        types, desc = spec
-        # bool is an int in Python; a YAML 'true' is not a stage number.
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            raise ConfigError(f"{where}: key '{name}' must be {want} ({desc}), got {value!r}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{where}: key '{name}' must be a finite number ({desc}), got {value!r}")
+    unknown = [k for k in raw if k not in schema]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{prefix}{unknown[0]}' (known keys here: {', '.join(sorted(schema))})")
+    out = {}
+    for name, spec in schema.items():
+        if isinstance(spec, Section):
+            section = raw.get(name)
+            out[name] = (None if section is None and spec.optional
+                         else _read(section or {}, spec.keys, where, prefix + name + "."))
+        else:
+            out[name] = _check_key(prefix + name, spec, raw[name], where) if name in raw else spec.default
+    return out
 
 
-def _dtype(value: str, key: str, where: str) -> torch.dtype:
-    if value == "fp16":
-        raise ConfigError(f"{where}: key '{key}': fp16 needs loss scaling, which zcompile does not do; use bf16")
-    if value not in DTYPES:
-        raise ConfigError(f"{where}: key '{key}' must be one of {sorted(DTYPES)}, got {value!r}")
-    return DTYPES[value]
+def _check_stages(values: dict, stage: int, where: str) -> None:
+    """Keys set away from their default at a stage they do not apply to."""
+    def check(name, spec, value):
+        if stage in spec.stages:
+            return
+        default = None if isinstance(spec, Section) else spec.default
+        if value is not None and value != default:
+            why = _WHY_STAGES.get(name, "").format(stage=stage)
+            stages = " or ".join(map(str, spec.stages))
+            raise ConfigError(f"{where}: key '{name}' needs stage {stages}" + (f" ({why})" if why else ""))
+
+    for name, spec in SCHEMA.items():
+        check(name, spec, values[name])
+        if isinstance(spec, Section) and values[name] is not None:
+            for key, sub in spec.keys.items():
+                check(f"{name}.{key}", sub, values[name][key])
 
 
-def _quantization(raw: dict, key: str, cls, what: str, multiple: int, where: str):
-    """A quantization section ({bits, block}) as `cls`, or None when absent. int4 blocks must be even (two values
-    per byte)."""
-    section = raw.get(key)
-    if section is None:
-        return None
-    default = cls()
-    q = cls(section.get("bits", default.bits), section.get("block", default.block))
-    if q.bits != default.bits:
-        raise ConfigError(f"{where}: key '{key}.bits' must be {default.bits} ({what}), got {q.bits}")
-    if q.block < 1 or q.block % multiple:
-        even = " even" if multiple == 2 else ""
-        raise ConfigError(f"{where}: key '{key}.block' must be a positive{even} number of elements, got {q.block}")
-    return q
-
-
-def _offload(section: dict | None, stage: int, where: str) -> Offload:
-    if section is None:
-        return Offload()
-    o = Offload(**{k: v for k, v in section.items() if k != "activation_min_bytes"},
-                activation_min_bytes=parse_bytes(section.get("activation_min_bytes", 1 << 20), None, where,
-                                                 "offload.activation_min_bytes", fraction=False) or 0)
-    for key, value, allowed in (("optimizer", o.optimizer, ("none", "cpu", "nvme", "auto")),
-                                ("params", o.params, ("none", "cpu", "nvme")),
-                                ("activations", o.activations, ("none", "cpu"))):
-        if value not in allowed:
-            raise ConfigError(f"{where}: key 'offload.{key}' must be one of {list(allowed)}, got {value!r}")
-    if o.optimizer != "none" and stage < 2:
-        raise ConfigError(f"{where}: key 'offload.optimizer' needs stage 2 or 3 (the optimizer steps a flat shard "
-                          f"there; stage {stage} steps the parameters in place)")
+def _check_offload(o: Offload, where: str) -> None:
     if o.optimizer == "auto" and o.params != "none":
         raise ConfigError(f"{where}: key 'offload.optimizer' is 'auto' but offload.params is {o.params!r}: "
                           "offloaded shards are stepped where they live; set offload.optimizer to cpu or nvme")
-    if o.params != "none":
-        if stage != 3:
-            raise ConfigError(f"{where}: key 'offload.params' needs stage 3 (only stage 3 keeps parameters as shards)")
-        if o.optimizer == "none":
-            raise ConfigError(f"{where}: key 'offload.params' is {o.params!r} but 'offload.optimizer' is 'none': "
-                              "offloaded shards are stepped where they live; set offload.optimizer to cpu or nvme")
-    if o.activations != "none" and stage < 2:
-        raise ConfigError(f"{where}: key 'offload.activations' needs stage 2 or 3")
+    if o.params != "none" and o.optimizer == "none":
+        raise ConfigError(f"{where}: key 'offload.params' is {o.params!r} but 'offload.optimizer' is 'none': "
+                          "offloaded shards are stepped where they live; set offload.optimizer to cpu or nvme")
     if "nvme" in (o.optimizer, o.params):
         if not o.nvme_path:
             raise ConfigError(f"{where}: key 'offload.nvme_path' is required when a tier is 'nvme'")
     elif o.nvme_path:
         raise ConfigError(f"{where}: key 'offload.nvme_path' is set but no tier is 'nvme'")
+
+
+def offload_for(section: dict, stage: int, where: str) -> Offload:
+    """An Offload section from a mapping of its keys, checked as in a config file (zcompile plan --offload)."""
+    values = _read({"offload": section, "stage": stage}, SCHEMA, where)
+    _check_stages(values, stage, where)
+    o = Offload(**values["offload"])
+    _check_offload(o, where)
     return o
-
-
-def _tiling(section: dict | None, stage: int, where: str) -> Tiling | None:
-    if section is None:
-        return None
-    if stage != 3:
-        raise ConfigError(f"{where}: key 'tiling' needs stage 3 (tiles are gathered one after another)")
-    t = Tiling(parse_bytes(section.get("min_bytes", Tiling.min_bytes), None, where, "tiling.min_bytes",
-                           fraction=False) or 0, section.get("tiles", Tiling.tiles))
-    if t.tiles < 2:
-        raise ConfigError(f"{where}: key 'tiling.tiles' must be >= 2, got {t.tiles}")
-    if t.min_bytes < 1:
-        raise ConfigError(f"{where}: key 'tiling.min_bytes' must be positive, got {section.get('min_bytes')!r}")
-    return t
 
 
 def from_dict(raw: dict, where: str = "<options>") -> Config:
     """Validate a raw mapping (parsed YAML) and build a Config."""
-    from zcompile.passes import check_pipeline  # local: passes import config
-
-    if raw is None:
-        raw = {}
-    _check_section(raw, SCHEMA, where)
-    stage = raw.get("stage", 3)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{where}: key 'stage' must be 0, 1, 2 or 3, got {stage}")
-    backend = raw.get("backend", "inductor")
-    if backend not in ("inductor", "eager"):
-        raise ConfigError(f"{where}: key 'backend' must be 'inductor' or 'eager', got {backend!r}")
-    mp_raw = raw.get("mixed_precision") or {}
-    param_dtype = _dtype(mp_raw.get("param_dtype", "fp32"), "mixed_precision.param_dtype", where)
-    reduce_dtype = _dtype(mp_raw.get("reduce_dtype", "fp32"), "mixed_precision.reduce_dtype", where)
-    if param_dtype == torch.float32 and reduce_dtype != torch.float32:
-        raise ConfigError(f"{where}: key 'mixed_precision.reduce_dtype' is {mp_raw['reduce_dtype']} but "
-                          "param_dtype is fp32: gradients are produced in fp32, reducing them in lower precision "
+    v = _read(raw if raw is not None else {}, SCHEMA, where)
+    stage = v["stage"]
+    _check_stages(v, stage, where)
+    mp = MixedPrecision(DTYPES[v["mixed_precision"]["param_dtype"]], DTYPES[v["mixed_precision"]["reduce_dtype"]])
+    if mp.param_dtype == torch.float32 and mp.reduce_dtype != torch.float32:
+        raise ConfigError(f"{where}: key 'mixed_precision.reduce_dtype' is {v['mixed_precision']['reduce_dtype']} "
+                          "but param_dtype is fp32: gradients are produced in fp32, reducing them in lower precision "
                           "only loses accuracy")
-    timeout = raw.get("collective_timeout_s", 300.0)
-    if timeout <= 0:
-        raise ConfigError(f"{where}: key 'collective_timeout_s' must be positive, got {timeout}")
-    bucket_mb = raw.get("bucket_mb", 25.0)
-    if bucket_mb < 0:
-        raise ConfigError(f"{where}: key 'bucket_mb' must be >= 0, got {bucket_mb}")
-    prefetch = raw.get("prefetch", 1)
-    if prefetch < 0:
-        raise ConfigError(f"{where}: key 'prefetch' must be >= 0, got {prefetch}")
-    parse_bytes(raw.get("memory_budget"), None, where)
-    over_budget = raw.get("over_budget", "error")
-    if over_budget not in ("error", "warn"):
-        raise ConfigError(f"{where}: key 'over_budget' must be 'error' or 'warn', got {over_budget!r}")
-    persist = raw.get("persist_threshold", 0)
-    parse_bytes(persist, None, where, "persist_threshold", fraction=False)
-    if persist and stage != 3:
-        raise ConfigError(f"{where}: key 'persist_threshold' applies to stage 3 only (stage {stage} keeps every "
-                          "parameter whole or steps them without gathers)")
-    qw = _quantization(raw, "quantize_weights", QuantizeWeights, "int8 weights, ZeRO++ qwZ", 1, where)
-    if qw is not None and stage != 3:
-        raise ConfigError(f"{where}: key 'quantize_weights' needs stage 3 (only stage 3 gathers parameters)")
-    qg = _quantization(raw, "quantize_gradients", QuantizeGradients, "int4 gradients, ZeRO++ qgZ", 2, where)
-    if qg is not None and stage < 2:
-        raise ConfigError(f"{where}: key 'quantize_gradients' needs stage 2 or 3 (it replaces the gradient "
-                          f"reduce-scatter; stage {stage} all-reduces)")
-    hpz = raw.get("hpz_partition_size", 1)
-    if hpz < 1:
-        raise ConfigError(f"{where}: key 'hpz_partition_size' must be >= 1, got {hpz}")
-    if hpz > 1 and stage != 3:
-        raise ConfigError(f"{where}: key 'hpz_partition_size' needs stage 3 (only stage 3 re-gathers parameters)")
-    rpn = raw.get("ranks_per_node")
-    if rpn is not None and rpn < 1:
-        raise ConfigError(f"{where}: key 'ranks_per_node' must be positive, got {rpn}")
-    nonfinite = raw.get("nonfinite", "off")
-    if nonfinite not in ("off", "warn", "skip", "error"):
-        raise ConfigError(f"{where}: key 'nonfinite' must be one of ['off', 'warn', 'skip', 'error'], got {nonfinite!r}")
-    offload = _offload(raw.get("offload"), stage, where)
-    tiling = _tiling(raw.get("tiling"), stage, where)
-    for key, pass_name, on in (("quantize_weights", "quantize_weights", qw is not None),
-                               ("quantize_gradients", "quantize_gradients", qg is not None),
-                               ("hpz_partition_size", "secondary_partition", hpz > 1),
-                               ("offload.params", "offload_params", offload.params != "none"),
-                               ("offload.activations", "offload_activations", offload.activations != "none"),
-                               ("tiling", "tile_linears", tiling is not None)):
-        if on and raw.get("pipeline") is not None and pass_name not in raw["pipeline"]:
-            raise ConfigError(f"{where}: key '{key}' is set but the 'pipeline' lacks the {pass_name} pass")
-    pipeline = raw.get("pipeline")
+    offload = Offload(**v["offload"])
+    _check_offload(offload, where)
+    pipeline = v["pipeline"]
     if pipeline is not None:
         if not all(isinstance(p, str) for p in pipeline):
             raise ConfigError(f"{where}: key 'pipeline' must be a list of pass names, got {pipeline!r}")
         pipeline = tuple(pipeline)
-    cfg = Config(stage=stage, backend=backend, mixed_precision=MixedPrecision(param_dtype, reduce_dtype),
-                 dump=raw.get("dump"), pipeline=pipeline, schedule_check=raw.get("schedule_check", True),
-                 collective_timeout_s=float(timeout), bucket_mb=float(bucket_mb), prefetch=prefetch,
-                 memory_budget=raw.get("memory_budget"), over_budget=over_budget, persist_threshold=persist, quantize_weights=qw,
-                 quantize_gradients=qg, hpz_partition_size=hpz, ranks_per_node=rpn, offload=offload,
-                 tiling=tiling, nonfinite=nonfinite, source=where)
+    qw, qg, tiling = (None if v[k] is None else cls(**v[k]) for k, cls in (
+        ("quantize_weights", QuantizeWeights), ("quantize_gradients", QuantizeGradients), ("tiling", Tiling)))
+    cfg = Config(stage=stage, backend=v["backend"], mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
+                 schedule_check=v["schedule_check"], collective_timeout_s=float(v["collective_timeout_s"]),
+                 bucket_mb=float(v["bucket_mb"]), prefetch=v["prefetch"],
+                 memory_budget=raw.get("memory_budget") if raw else None, over_budget=v["over_budget"],
+                 persist_threshold=raw.get("persist_threshold", 0) if raw else 0, quantize_weights=qw,
+                 quantize_gradients=qg, hpz_partition_size=v["hpz_partition_size"],
+                 ranks_per_node=v["ranks_per_node"], offload=offload, tiling=tiling, nonfinite=v["nonfinite"],
+                 source=where)
+    enabled = {"quantize_weights": qw is not None, "quantize_gradients": qg is not None,
+               "hpz_partition_size": cfg.hpz_partition_size > 1, "offload.params": offload.params != "none",
+               "offload.activations": offload.activations != "none", "tiling": tiling is not None}
+    for pass_name, contract in CONTRACTS.items():
+        key = contract.enabled_by
+        if key is not None and enabled[key] and pipeline is not None and pass_name not in pipeline:
+            raise ConfigError(f"{where}: key '{key}' is set but the 'pipeline' lacks the {pass_name} pass")
     try:
         check_pipeline(cfg.passes, stage)
     except ValueError as e:

@@ -1,7 +1,6 @@
 """The process group zcompile communicates over, and a launcher-friendly initializer."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import os
@@ -17,12 +16,9 @@ class DistContext:
     group_name: str
     device: torch.device
     group: object = dataclasses.field(compare=False, repr=False, default=None)
-    planning: bool = False  # `zcompile plan`: meta tensors, no process group, nothing is communicated
 
     @staticmethod
     def current() -> "DistContext":
-        if _PLANNING is not None:
-            return _PLANNING
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zcompile needs an initialized torch.distributed process group before the first forward: call "
@@ -36,19 +32,11 @@ class DistContext:
             device = torch.device("cpu")
         return DistContext(dist.get_rank(), dist.get_world_size(), group.group_name, device, group)
 
-
-_PLANNING: DistContext | None = None
-
-
-@contextlib.contextmanager
-def planning(world: int, rank: int = 0):
-    """Compile for `world` ranks without a process group, on the meta device (see zcompile.plan)."""
-    global _PLANNING
-    previous, _PLANNING = _PLANNING, DistContext(rank, world, "plan", torch.device("meta"), None, planning=True)
-    try:
-        yield _PLANNING
-    finally:
-        _PLANNING = previous
+    @staticmethod
+    def without_group(world: int, rank: int = 0) -> "DistContext":
+        """`world` ranks on the meta device and no process group: what a compile that is never committed (zcompile
+        plan, single-process pass tests) sees."""
+        return DistContext(rank, world, "plan", torch.device("meta"), None)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None, config=None) -> DistContext:
@@ -83,7 +71,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group=None) -> No
 def set_group_timeout(ctx: DistContext, seconds: float) -> None:
     """Make `collective_timeout_s` govern the group zcompile communicates over (and its host group), however it was
     created (a group the user made with another timeout gets this one from the first compile on)."""
-    if not ctx.planning and ctx.group is not None:
+    if ctx.group is not None:
         for group in (ctx.group, _HOST_GROUPS.get(ctx.group_name)):
             if group is not None:
                 dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)

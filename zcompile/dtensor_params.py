@@ -34,8 +34,7 @@ _forward = threading.local()  # depth of eager forwards of modules holding DTens
 
 
 def eligible(zp: shard_store.ShardedParam) -> bool:
-    return (zp.stage >= 1 and len(zp.shape) >= 1 and not zp.row_multiple and zp.param_tier != "nvme"
-            and not zp.planning)
+    return zp.stage >= 1 and len(zp.shape) >= 1 and not zp.row_multiple and zp.param_tier != "nvme"
 
 
 def mesh_for(zp: shard_store.ShardedParam, ctx: dist_context.DistContext, timeout_s: float) -> DeviceMesh:

@@ -36,8 +36,9 @@ def annotated_code(gm: fx.GraphModule) -> str:
     for line in gm.print_readable(print_output=False, include_stride=False).splitlines():
         m = _ASSIGN.match(line)
         node = by_name.get(m.group(2)) if m else None
-        if node is not None and "zc_comm" in node.meta:
-            c = node.meta["zc_comm"]
+        c = collectives.record(node) if node is not None else None
+        if c is not None:
+            c = c.as_dict(node.name)
             line += f"  # zc: {c['op']} {_fmt_bytes(c['bytes'])} group={c['group']}{_span(c)} -- {c['why']}"
         elif node is not None and "zc_note" in node.meta:
             line += f"  # zc: {node.meta['zc_note']}"

@@ -70,7 +70,8 @@ def _input_held_until_wait(node: fx.Node) -> bool:
     reduce-scatter does; all-to-alls are assumed to (not measured); gloo's reduce-scatter copies its input when
     issued (measured: planned == measured with this rule, tests/test_planner.py); a functional all-reduce works on
     its own copy, the input is free at issue."""
-    op = node.meta.get("zc_comm", {}).get("op")
+    rec = collectives.record(node)
+    op = rec.op if rec is not None else None
     if op in ("all_gather", "all_to_all"):
         return True
     if op == "reduce_scatter":

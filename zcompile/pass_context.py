@@ -7,6 +7,7 @@ import torch.fx as fx
 
 from zcompile.config import Config
 from zcompile.dist_context import DistContext
+from zcompile.groups import Group
 from zcompile.shard_store import ShardedParam
 from zcompile.topology import Topology
 
@@ -34,6 +35,13 @@ class PassContext:
     own_placeholders: set[str] = dataclasses.field(default_factory=set)  # placeholders whose values we set
     num_fwd_outputs: int = 0                # forward graph: outputs before the saved-for-backward ones
     offloaded: dict[str, int] = dataclasses.field(default_factory=dict)  # saved activations on the host (shared)
+    subgroups: list[Group] = dataclasses.field(default_factory=list)  # for the commit step to create
+
+    def subgroup(self, group: Group) -> Group:
+        """A subgroup this graph's collectives use, named by its ranks until the commit step creates it."""
+        if group.layout and group not in self.subgroups:
+            self.subgroups.append(group)
+        return group
 
     def add_side_input(self, gm: fx.GraphModule, zp: ShardedParam, kind: str, note: str) -> fx.Node:
         """A new last placeholder that the runtime fills with SideInput(zp, kind)."""

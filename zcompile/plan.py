@@ -1,8 +1,8 @@
 """`zcompile plan`: compile a model for N ranks on the meta device and report what each rank would hold and move.
 
-Nothing is allocated and nothing is communicated: parameters live on the meta device, the backend runs its passes
-under dist_context.planning(N) (no process group), and the graphs are analyzed instead of run. So a 175B or 1T
-parameter GPT plans on a laptop. The model must compile as one graph (fullgraph=True).
+Nothing is allocated and nothing is communicated: parameters live on the meta device, and the model is compiled
+for N ranks without a process group and without the commit step (backend.dry_backend), so the graphs are analyzed,
+never run. So a 175B or 1T parameter GPT plans on a laptop. The model must compile as one graph (fullgraph=True).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from zcompile import backend as zbackend, collectives, config as zconfig, liveness, planner, report, timeline
-from zcompile.dist_context import planning
+from zcompile.dist_context import DistContext
 from zcompile.models.gpt import GPT, GPTConfig
 
 PRESETS = {  # GPT-3 paper shapes (vocab padded to a multiple of 64)
@@ -136,24 +136,20 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
                    "activation_min_bytes": cfg.offload.activation_min_bytes}
         if offload == "nvme":
             section["nvme_path"] = "<planned>"
-        cfg = dataclasses.replace(cfg, offload=zconfig._offload(section, cfg.stage, "--offload"))
+        cfg = dataclasses.replace(cfg, offload=zconfig.offload_for(section, cfg.stage, "--offload"))
     # a plan over budget is reported, not raised
     cfg = dataclasses.replace(cfg, backend="eager", schedule_check=False, dump=None, over_budget="warn",
                               ranks_per_node=cfg.ranks_per_node or world // nodes)
     torch._dynamo.reset()
-    zbackend.JOBS.clear()
+    jobs: list = []
+    backend = zbackend.dry_backend(cfg, DistContext.without_group(world), jobs)
     # AOTAutograd traces the backward through autograd on meta tensors; nll_loss's fallback warns there, harmlessly.
-    with planning(world), torch.device("meta"), warnings.catch_warnings():
+    with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
         net = GPT(gcfg)
-        compiled = torch.compile(net, backend="zero", options={"config": cfg}, fullgraph=True)
         idx = torch.zeros(micro, seq, dtype=torch.long)
-        try:
-            compiled(idx, idx)
-            raise RuntimeError("the compiled model ran instead of stopping after planning")
-        except zbackend.PlanCaptured:
-            pass
-    (job,) = zbackend.JOBS
+        torch.compile(net, backend=backend, fullgraph=True)(idx, idx)  # compiles; the dry run returns meta tensors
+    (job,) = jobs
     zps = list(job.params.values())
     P = sum(zp.numel for zp in zps)
     state = planner.model_state(zps)

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from zcompile import collectives, nonfinite, offload_engine
+from zcompile import collective_traffic, nonfinite, offload_engine
 from zcompile.dist_context import DistContext, all_gather_flat
 from zcompile.errors import ZeroError
 
@@ -45,13 +45,15 @@ _keys = itertools.count()
 
 
 class ShardedParam:
-    def __init__(self, param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0):
+    def __init__(self, param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0,
+                 attach: bool = True):
+        """`attach`: give the shard its tiers (host memory, an NVMe file, a host master); a compile that is not
+        committed (zcompile plan) only lays the shard out, on the parameter's device."""
         if not param.is_floating_point():
             raise TypeError(f"zcompile shards floating-point parameters only, got {param.dtype}")
         self.param_ref = weakref.ref(param)
         self.stage, self.rank, self.world = stage, ctx.rank, ctx.world
         self.group_name, self.group = ctx.group_name, ctx.group
-        self.planning = ctx.planning
         self.cross_fraction = 0.0  # of a world all-gather's bytes, the share crossing nodes (set by the backend)
         self.shape = tuple(param.shape)
         self.numel = param.numel()
@@ -70,7 +72,7 @@ class ShardedParam:
         self.param_tier = _tier(offload.params if offload is not None and stage == 3 else "none")
         self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= 2 else "none")
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
-                     if "nvme" in (self.param_tier, self.optim_tier) and not ctx.planning else None)
+                     if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
         self.padded_numel = self.shard_numel * self.world
         self.lo = min(self.rank * self.shard_numel, self.numel)
@@ -88,7 +90,7 @@ class ShardedParam:
             if stage == 2:
                 local = self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             else:
-                where = "cpu" if self.param_tier != "device" and not ctx.planning else data.device
+                where = "cpu" if self.param_tier != "device" and attach else data.device
                 local = torch.zeros(self.shard_numel, dtype=self.dtype, device=where)
                 local[: self.hi - self.lo].copy_(data.reshape(-1)[self.lo:self.hi])
             self.shard = nn.Parameter(local, requires_grad=param.requires_grad)
@@ -107,12 +109,17 @@ class ShardedParam:
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
         self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
         self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
-        if not ctx.planning:  # planning on meta: tiers are accounted for, nothing is written or copied
+        if attach:
             if self.param_tier == "nvme":
                 offload_engine.SHARDS[self.key] = self
                 self.spill()
-            elif self.optim_tier in ("cpu", "nvme") and self.param_tier == "device":
-                self._make_master()
+            self.attach_master()
+
+    def attach_master(self) -> None:
+        """The host fp32 master an offloaded optimizer steps, once the tier is known (a compile's commit step
+        makes it for 'auto' tiers the planner sent to the host)."""
+        if self.master is None and self.optim_tier in ("cpu", "nvme") and self.param_tier == "device":
+            self._make_master()
 
     def _make_master(self) -> None:
         self.master = nn.Parameter(torch.empty(self.shard_numel, dtype=torch.float32, device="cpu",
@@ -122,15 +129,11 @@ class ShardedParam:
         self.master._zc_owner = self
 
     def decide_optimizer_tier(self, offload: bool) -> None:
-        """offload.optimizer 'auto': the planner's choice, made once, before the optimizer first steps."""
+        """offload.optimizer 'auto': the planner's choice, made once, before the optimizer first steps (the
+        commit step then makes the master: attach_master)."""
         if self.optim_tier != "auto":
             return
-        if offload and self.stage >= 2:
-            self.optim_tier = "cpu"
-            if not self.planning:
-                self._make_master()
-        else:
-            self.optim_tier = "device"
+        self.optim_tier = "cpu" if offload and self.stage >= 2 else "device"
 
     # -- offload tiers
     @property
@@ -337,8 +340,10 @@ def row_multiple(cfg, p: nn.Parameter) -> int:
     return t.tiles if big and cfg.stage == 3 else 0
 
 
-def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0) -> ShardedParam:
-    """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity)."""
+def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0,
+             attach: bool = True) -> ShardedParam:
+    """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity). `attach`: see
+    ShardedParam."""
     zp = getattr(param, "_zc", None)
     if zp is not None:
         if zp.stage != stage or zp.world != ctx.world:
@@ -346,24 +351,24 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
                                f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
                                f"{ctx.world} ranks")
         tier = _tier(offload.params if offload is not None and stage == 3 else "none")
-        if not ctx.planning and zp.param_tier != tier:
+        if zp.param_tier != tier:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} has its shard in tier {zp.param_tier!r}; "
                                f"a compile asks for tier {tier!r}: use one config per model (and pass "
                                "it to load_checkpoint(..., config=) when loading before the first forward)")
-        if zp.row_multiple != row_multiple and not ctx.planning:
+        if zp.row_multiple != row_multiple:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is sharded "
                                + (f"by rows for {zp.row_multiple} tiles" if zp.row_multiple else "without tiling")
                                + f"; a compile asks for " + (f"{row_multiple} tiles" if row_multiple else "no tiling")
                                + ": use one config per model (and pass it to load_checkpoint(..., config=))")
         return zp
-    zp = ShardedParam(param, stage, ctx, offload, row_multiple)
+    zp = ShardedParam(param, stage, ctx, offload, row_multiple, attach)
     param._zc = zp
     return zp
 
 
-def register_for(cfg, ctx: DistContext, param: nn.Parameter) -> ShardedParam:
+def register_for(cfg, ctx: DistContext, param: nn.Parameter, attach: bool = True) -> ShardedParam:
     """register() with the layout and tiers a config asks for."""
-    return register(param, cfg.stage, ctx, cfg.offload, row_multiple(cfg, param))
+    return register(param, cfg.stage, ctx, cfg.offload, row_multiple(cfg, param), attach)
 
 
 def owner(t: torch.Tensor) -> ShardedParam | None:
@@ -373,7 +378,6 @@ def owner(t: torch.Tensor) -> ShardedParam | None:
 
 def gather_full(zps: list[ShardedParam]) -> None:
     """Refresh the full buffers of stage 1/2 parameters from every rank's updated slice, in one collective."""
-    zps = [zp for zp in zps if not zp.planning]  # planning on meta: nothing to move
     if not zps:
         return
     by_key: dict = {}
@@ -385,7 +389,7 @@ def gather_full(zps: list[ShardedParam]) -> None:
         recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
         all_gather_flat(recv, send, group)
         nbytes = recv.numel() * recv.element_size()
-        collectives.count([{"op": "all_gather", "bytes": nbytes, "cross_bytes": round(nbytes * items[0].cross_fraction)}])
+        collective_traffic.count([{"op": "all_gather", "bytes": nbytes, "cross_bytes": round(nbytes * items[0].cross_fraction)}])
         per_rank = recv.view(items[0].world, -1)
         offset = 0
         for zp in items:
@@ -402,17 +406,17 @@ def refresh_stale(zps) -> None:
 
 
 def make_persistent(zps: list[ShardedParam]) -> None:
-    """Keep these stage 3 parameters whole from now on: a full buffer refreshed from every rank's shard (one
-    all-gather; the shards are the truth, the user's parameter may already be released), the shard re-pointed at
-    this rank's slice of it, as at stage 2. Every rank must call this with the same parameters."""
-    zps = [zp for zp in zps if zp.stage == 3 and not zp.persistent]
+    """Commit the planner's persistence decisions (`persistent` set, no full buffer yet): a full buffer refreshed
+    from every rank's shard (one all-gather; the shards are the truth, the user's parameter may already be
+    released), the shard re-pointed at this rank's slice of it, as at stage 2. Every rank calls this with the same
+    parameters."""
+    zps = [zp for zp in zps if zp.stage == 3 and zp.persistent and zp.full is None]
     for zp in zps:
         zp.full = torch.zeros(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)
         zp.local_slice().copy_(zp.shard.detach())
         zp.shard.data = zp.local_slice()
         if zp.dtensor is not None:
             zp.dtensor._local_tensor = zp.local_rows()
-        zp.persistent = True
     gather_full(zps)
     for zp in zps:
         if zp.dtensor is None:
@@ -490,13 +494,13 @@ def _has_eager_grad(zp: ShardedParam) -> bool:
 
 
 def _check_offloaded_optimizer(optimizer, zps: list[ShardedParam]) -> None:
-    from zcompile.cpu_adam import CPUAdam
-    if any(zp.optim_tier == "nvme" for zp in zps) and not isinstance(optimizer, CPUAdam):
+    attach = getattr(optimizer, "attach_nvme", None)  # zcompile.CPUAdam's (which imports this module)
+    if any(zp.optim_tier == "nvme" for zp in zps) and attach is None:
         raise TypeError(f"offload.optimizer is 'nvme' but the optimizer is {type(optimizer).__name__}: only "
                         "zcompile.CPUAdam keeps its state in NVMe files (a torch.optim optimizer keeps it in memory)")
     nvme = next((zp.nvme for zp in zps if zp.optim_tier == "nvme"), None)
-    if isinstance(optimizer, CPUAdam) and nvme is not None:
-        optimizer.attach_nvme(nvme)
+    if attach is not None and nvme is not None:
+        attach(nvme)
 
 
 def _pre_step(optimizer, args, kwargs) -> None:

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from zcompile import liveness
+from zcompile import collectives, liveness
 
 c10d = torch.ops._c10d_functional
 
@@ -61,13 +61,13 @@ def simulate(gm: fx.GraphModule, cost: CostModel, start_s: float = 0.0) -> tuple
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        comm = node.meta.get("zc_comm")
+        comm = collectives.record(node)
         if comm is not None:
             begin = max(t_compute, t_comm)
-            dur = cost.latency_s + comm["bytes"] / cost.link_bytes_per_s
+            dur = cost.latency_s + comm.bytes / cost.link_bytes_per_s
             t_comm = comm_end[node] = begin + dur
-            events.append({"lane": "comm", "name": comm["op"], "start": begin, "dur": dur,
-                           "args": {"bytes": comm["bytes"], "why": comm["why"], "node": node.name}})
+            events.append({"lane": "comm", "name": comm.op, "start": begin, "dur": dur,
+                           "args": {"bytes": comm.bytes, "why": comm.why, "node": node.name}})
         elif node.target is c10d.wait_tensor.default:
             done = comm_end.get(node.args[0], t_compute)
             if done > t_compute:

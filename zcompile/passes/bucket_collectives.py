@@ -24,19 +24,19 @@ c10d = torch.ops._c10d_functional
 
 
 def _single(node: fx.Node, op: str) -> bool:
-    return node.meta.get("zc_comm", {}).get("op") == op and node.target in collectives.COLLECTIVE_OPS
+    return collectives.is_op(node, op) and node.target in collectives.COLLECTIVE_OPS
 
 
 def _bucket_key(node: fx.Node) -> tuple:
-    comm = node.meta["zc_comm"]
-    return comm.get("dtype"), comm["group"], comm.get("tile")  # a weight tile is its own bucket (tile_linears)
+    comm = collectives.record(node)
+    return comm.dtype, comm.group, comm.tile  # a weight tile is its own bucket (tile_linears)
 
 
 def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
     buckets: list[list[fx.Node]] = []
     size = cap_bytes
     for n in nodes:
-        b = n.meta["zc_comm"]["bytes"]
+        b = collectives.record(n).bytes
         # one flat buffer holds one dtype (qwZ payloads are int8) and goes to one group (hpZ gathers in a node)
         new_kind = bool(buckets and buckets[-1]) and _bucket_key(buckets[-1][-1]) != _bucket_key(n)
         if (size + b > cap_bytes or new_kind) and buckets and buckets[-1]:
@@ -50,14 +50,14 @@ def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:
     return [b for b in buckets if len(b) > 1]
 
 
-def _annotate(node: fx.Node, op: str, members: list[fx.Node], why: str) -> None:
-    first = members[0].meta["zc_comm"]
-    collectives._annotate(node, op, sum(m.meta["zc_comm"]["bytes"] for m in members), first["group"], why,
-                          sum(m.meta["zc_comm"]["numel"] for m in members), first.get("dtype"), first.get("ranks"))
+def _annotate(node: fx.Node, op: str, members: list[fx.Node], why: str) -> collectives.Collective:
+    recs = [collectives.record(m) for m in members]
+    return collectives.annotate(node, op, sum(r.bytes for r in recs), recs[0].group, why,
+                                sum(r.numel for r in recs), recs[0].dtype, recs[0].ranks)
 
 
 def _members_text(members: list[fx.Node]) -> str:
-    return "; ".join(m.meta["zc_comm"]["why"].split(": ", 1)[-1] for m in members)
+    return "; ".join(collectives.record(m).why.split(": ", 1)[-1] for m in members)
 
 
 def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind: str) -> None:
@@ -66,7 +66,7 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
     srcs = [m.args[0] for m in members]
     for src in srcs[1:]:  # a cast of a shard, a quantized payload: move it (and its inputs) up with the bucket
         placement.hoist(graph, src, first)
-    shard_sizes = [m.meta["zc_comm"]["numel"] // world for m in members]
+    shard_sizes = [collectives.record(m).numel // world for m in members]
     total = sum(shard_sizes)
     order = {n: k for k, n in enumerate(graph.nodes)}
     earliest_wait = min((collectives.wait_of(m) for m in members), key=order.get)
@@ -105,14 +105,14 @@ def _merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket_id: int, o
     # One flat reduce-scatter over a rank-major concatenation ([rank][member][shard]): gloo's coalesced
     # reduce-scatter runs member by member and is ~30x slower on 4 ranks (measured, see README).
     world, group = last.args[2], last.args[3]
-    shard_sizes = [m.meta["zc_comm"]["numel"] // world for m in members]
+    shard_sizes = [collectives.record(m).numel // world for m in members]
     with graph.inserting_before(last.next):
         rows = [graph.call_function(aten.view.default, (x, [world, s])) for x, s in zip(inputs, shard_sizes)]
         cat = graph.call_function(aten.cat.default, (rows, 1))
         flat = graph.call_function(aten.view.default, (cat, [world * sum(shard_sizes)]))
         rs = graph.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", world, group))
     _annotate(rs, op, members, why)
-    rs.meta["zc_comm"]["members"] = shard_sizes  # per-rank segments, for quantize_gradients' blocks
+    collectives.update(rs, members=shard_sizes)  # per-rank segments, for quantize_gradients' blocks
     with graph.inserting_before(out):
         wait = graph.call_function(c10d.wait_tensor.default, (rs,))
     wait.meta["zc_note"] = f"as late as possible: wait for grad bucket {bucket_id}"

@@ -15,7 +15,7 @@ from zcompile.passes import placement
 
 
 def _gathers(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.meta.get("zc_comm", {}).get("op") == "all_gather"]
+    return [n for n in graph.nodes if collectives.is_op(n, "all_gather")]
 
 
 def _apply(gm: fx.GraphModule, distance: int) -> None:
@@ -25,8 +25,7 @@ def _apply(gm: fx.GraphModule, distance: int) -> None:
     for k, g in enumerate(gathers):
         target = start if k < distance else collectives.wait_of(gathers[k - distance])
         placement.hoist(graph, g, target)
-        why = g.meta["zc_comm"]["why"]
-        g.meta["zc_comm"] = dict(g.meta["zc_comm"], why=f"{why} [prefetched {distance} gather(s) ahead]")
+        collectives.update(g, why=f"{collectives.record(g).why} [prefetched {distance} gather(s) ahead]")
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:

@@ -65,14 +65,14 @@ def _sum(graph: fx.Graph, wait: fx.Node, rows: int, blocking: list[tuple[int, in
 
 
 def _hierarchical(graph: fx.Graph, rs: fx.Node, block: int, intra, inter) -> None:
-    comm = rs.meta["zc_comm"]
+    comm = collectives.record(rs)
     flat, world = rs.args[0], rs.args[2]
     nodes, local = inter.size, intra.size
     assert nodes * local == world, (nodes, local, world)
-    s = comm["numel"] // world
-    members = comm.get("members") or [s]  # a bucket's per-rank segments: each is quantized in its own blocks
+    s = comm.numel // world
+    members = comm.members or [s]  # a bucket's per-rank segments: each is quantized in its own blocks
     blocking = [_ops.fit_blocks(m, block, even=True) for m in members]
-    what = comm["why"].split(": ", 1)[-1]
+    what = comm.why.split(": ", 1)[-1]
     wait = collectives.wait_of(rs)
     with graph.inserting_before(rs):
         x = graph.call_function(aten.view.default, (flat, [nodes, local, s]))
@@ -95,7 +95,7 @@ def _hierarchical(graph: fx.Graph, rs: fx.Node, block: int, intra, inter) -> Non
             partial = _sum(graph, second, nodes, blocking, 1)
         shards = [graph.call_function(aten.slice.Tensor, (p, 0, 0, m)) for p, m in zip(partial, members)]
         shard = graph.call_function(aten.cat.default, (shards,)) if len(shards) > 1 else shards[0]
-        shard = graph.call_function(prims.convert_element_type.default, (shard, comm["dtype"]))
+        shard = graph.call_function(prims.convert_element_type.default, (shard, comm.dtype))
     shard.meta["zc_note"] = "qgZ: this rank's reduced gradient shard"
     wait.replace_all_uses_with(shard)
     graph.erase_node(wait)
@@ -107,9 +107,9 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     if qcfg is None or pctx.kind != "backward":
         return gm
     local = pctx.topology.ranks_per_node
-    intra = groups.blocks(pctx.dist, local, pctx.cfg.collective_timeout_s)
-    inter = groups.strided(pctx.dist, local, pctx.cfg.collective_timeout_s)
-    reductions = [n for n in gm.graph.nodes if n.meta.get("zc_comm", {}).get("op") == "reduce_scatter"]
+    intra = pctx.subgroup(groups.blocks(pctx.dist, local))
+    inter = pctx.subgroup(groups.strided(pctx.dist, local))
+    reductions = [n for n in gm.graph.nodes if collectives.is_op(n, "reduce_scatter")]
     for rs in reductions:
         _hierarchical(gm.graph, rs, qcfg.block, intra, inter)
     if reductions:

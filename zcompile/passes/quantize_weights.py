@@ -10,6 +10,7 @@ against the dequantized forward weights, as in ZeRO++.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -24,11 +25,11 @@ zc = torch.ops.zcompile
 
 
 def _quantized_gather(graph: fx.Graph, ag: fx.Node, block: int) -> None:
-    comm = ag.meta["zc_comm"]
+    comm = collectives.record(ag)
     world, group = ag.args[1], ag.args[2]
     src = ag.args[0]
-    dtype = comm["dtype"]
-    s = comm["numel"] // world
+    dtype = comm.dtype
+    s = comm.numel // world
     block, nb, padded = _ops.fit_blocks(s, block)
     row = padded + 4 * nb
     old_wait = collectives.wait_of(ag)
@@ -41,10 +42,10 @@ def _quantized_gather(graph: fx.Graph, ag: fx.Node, block: int) -> None:
         payload = graph.call_function(aten.cat.default, ([q, scale_bytes],))
         buf = graph.call_function(aten.new_empty.default, (payload, [world * row]))
         new_ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (payload, world, group), {"out": buf})
-    collectives._annotate(new_ag, "all_gather", world * row, group,
-                          f"{comm['why']}; qwZ int8 in {nb} block(s) of {block} + fp32 scales", world * row, torch.int8)
-    if "tile" in comm:  # a tile is gathered alone (tile_linears)
-        new_ag.meta["zc_comm"]["tile"] = comm["tile"]
+    # the same parameter (and tile: gathered alone) in int8
+    new_ag.meta[collectives.KEY] = dataclasses.replace(
+        comm, bytes=world * row, numel=world * row, dtype=torch.int8,
+        why=f"{comm.why}; qwZ int8 in {nb} block(s) of {block} + fp32 scales")
     with graph.inserting_before(old_wait):
         wait = graph.call_function(c10d.wait_tensor.default, (new_ag,))
         rows = graph.call_function(aten.view.default, (wait, [world, row]))
@@ -69,8 +70,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     qcfg = pctx.cfg.quantize_weights
     if qcfg is None or pctx.kind not in ("forward", "inference"):
         return gm
-    gathers = [n for n in gm.graph.nodes if n.meta.get("zc_comm", {}).get("op") == "all_gather"
-               and n.meta["zc_comm"].get("dtype", torch.int8).is_floating_point]
+    gathers = [n for n in gm.graph.nodes if collectives.is_op(n, "all_gather")
+               and (collectives.record(n).dtype or torch.int8).is_floating_point]
     for ag in gathers:
         _quantized_gather(gm.graph, ag, qcfg.block)
     if gathers:

@@ -82,7 +82,7 @@ def _reduce_tiles(graph: fx.Graph, g: fx.Node, i: int, zp, pctx) -> fx.Node:
             why = (f"backward: average grad tile {t}/{len(tiles)} of {list(zp.shape)} over {world} ranks, keep "
                    f"{numel // world} of its elements")
             wait = collectives.reduce_scatter(graph, flat, numel, rdtype, world, group, why)
-        wait.args[0].meta["zc_comm"]["tile"] = (i, t)
+        collectives.update(wait.args[0], tile=(i, t))
         out.prepend(wait)
         waits.append(wait)
     with graph.inserting_before(out):

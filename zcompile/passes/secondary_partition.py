@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import collectives, groups
-from zcompile.config import ConfigError
+from zcompile.errors import ConfigError
 
 aten = torch.ops.aten
 
@@ -22,14 +22,14 @@ aten = torch.ops.aten
 def _param_gathers(graph: fx.Graph, pctx) -> list[tuple[fx.Node, object]]:
     out = []
     for n in graph.nodes:
-        comm = n.meta.get("zc_comm", {})
-        if comm.get("op") == "all_gather" and "param" in comm:
-            out.append((n, pctx.params[comm["param"]]))
+        comm = collectives.record(n)
+        if comm is not None and comm.op == "all_gather" and comm.param is not None:
+            out.append((n, pctx.params[comm.param]))
     return out
 
 
 def _keep_secondary(gm: fx.GraphModule, ag: fx.Node, zp, group, pctx) -> None:
-    dtype = ag.meta["zc_comm"]["dtype"]
+    dtype = collectives.record(ag).dtype
     part = zp.padded_numel // group.size
     zp.use_secondary(part, dtype)
     buf = pctx.add_side_input(gm, zp, "secondary", f"hpZ secondary partition of param {list(zp.shape)}: "
@@ -65,13 +65,13 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     if pctx.dist.world % size:
         raise ConfigError(f"{pctx.cfg.source}: key 'hpz_partition_size' is {size}, which does not divide the world "
                           f"of {pctx.dist.world} ranks")
-    group = groups.blocks(pctx.dist, size, pctx.cfg.collective_timeout_s)
+    group = pctx.subgroup(groups.blocks(pctx.dist, size))
     done = skipped = 0
     for ag, zp in _param_gathers(gm.graph, pctx):
         if pctx.kind == "forward":
             _keep_secondary(gm, ag, zp, group, pctx)
             done += 1
-        elif zp.secondary_numel and zp.secondary_dtype == ag.meta["zc_comm"]["dtype"]:
+        elif zp.secondary_numel and zp.secondary_dtype == collectives.record(ag).dtype:
             _regather_from_secondary(gm, ag, zp, group, pctx)
             done += 1
         else:

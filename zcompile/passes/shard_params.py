@@ -41,7 +41,7 @@ def _gather(graph: fx.Graph, shard: fx.Node, i: int, zp, dtype: torch.dtype, pct
     why = (f"{pctx.kind}: gather param {list(zp.shape)} ({dtype}) before first use"
            + ("; re-gather, forward released it" if pctx.kind == "backward" else ""))
     flat = collectives.all_gather(graph, src, zp.shard_numel, dtype, zp.world, zp.group_name, why)
-    flat.args[0].meta["zc_comm"]["param"] = i  # which parameter (secondary_partition pairs forward and backward)
+    collectives.update(flat.args[0], param=i)  # which parameter (secondary_partition pairs forward and backward)
     return _full_from_flat(graph, flat, zp)
 
 
@@ -58,7 +58,7 @@ def _gather_tiles(graph: fx.Graph, ph: fx.Node, tiles_node: fx.Node, i: int, zp,
             why = (f"{pctx.kind}: gather tile {t}/{T} of param {list(zp.shape)} ({zp.dtype}) before its use"
                    + ("; re-gather, forward released it" if pctx.kind == "backward" else ""))
             flat = collectives.all_gather(graph, src, c, zp.dtype, zp.world, zp.group_name, why)
-            flat.args[0].meta["zc_comm"]["tile"] = (i, t)
+            collectives.update(flat.args[0], tile=(i, t))
             tile = graph.call_function(aten.view.default, (flat, [zp.world * c // zp.shape[1], zp.shape[1]]))
         g.replace_all_uses_with(tile)
         graph.erase_node(g)

@@ -1,0 +1,104 @@
+"""Structure checks (single process, no compile): the package has no import cycles, and the pass contracts hold."""
+import ast
+import pathlib
+
+import pytest
+
+import zcompile
+from zcompile import pass_contracts
+from zcompile.pass_contracts import CONTRACTS, check_pipeline
+
+ROOT = pathlib.Path(zcompile.__file__).parent
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the zcompile modules it imports anywhere in its file (function-level imports included)."""
+    mods = {}
+    for p in ROOT.rglob("*.py"):
+        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for name, p in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                         for a in node.names}
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(v):
+        state[v] = "open"
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == "open":
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        stack.pop()
+        state[v] = "done"
+        return None
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles():
+    graph = _import_graph()
+    assert "zcompile.passes.shard_params" in graph and "zcompile.config" in graph["zcompile.backend"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+
+
+def test_config_reads_contracts_without_importing_passes():
+    assert "zcompile.passes" not in _import_graph()["zcompile.config"]
+    assert not {d for d in _import_graph()["zcompile.pass_contracts"]}  # a leaf: data only
+
+
+def test_every_contract_has_a_pass():
+    from zcompile.passes import PASSES
+    assert PASSES.keys() == CONTRACTS.keys()
+
+
+def test_default_pipeline_satisfies_every_stage():
+    for stage in range(4):
+        check_pipeline(pass_contracts.DEFAULT_PIPELINE, stage)
+
+
+def test_a_reader_listed_before_the_writer_is_refused():
+    names = ("tag_param_recompute", "shard_params", "reduce_grads", "quantize_gradients", "bucket_collectives")
+    with pytest.raises(ValueError, match="quantize_gradients.*members.*bucket_collectives"):
+        check_pipeline(names, 3)
+
+
+def test_undeclared_record_field_is_caught():
+    """A pass that sets a record field its contract does not declare fails right after it runs."""
+    import torch
+    import torch.fx as fx
+    from zcompile import collectives
+    from zcompile.passes import check_records
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w = collectives.all_gather(g, x, 4, torch.float32, 2, "0", "gather x")
+    g.output(w)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    check_records(gm, frozenset(), "none")
+    collectives.update(w.args[0], members=[2, 2])
+    with pytest.raises(AssertionError, match="members"):
+        check_records(gm, pass_contracts.written_fields(["shard_params"]), "shard_params")
+    check_records(gm, pass_contracts.written_fields(["bucket_collectives"]), "bucket_collectives")

@@ -1,0 +1,288 @@
+"""Each pass alone, in one process, on a small graph: which nodes it inserts, in which order, and what it records.
+
+Parameters live on the meta device and the DistContext has no process group (world 2 unless said, rank 0), so
+nothing runs or communicates. End-to-end parity of the same passes is in test_parity and friends.
+"""
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from tests.pass_graphs import call, context, node, ops, records, trace
+from zcompile import collectives
+from zcompile.passes import (bucket_collectives, mixed_precision, offload_activations, offload_params, prefetch,
+                             quantize_gradients, quantize_weights, reduce_grads, secondary_partition, shard_params,
+                             tag_param_recompute, tile_linears)
+
+GATHER = ["new_empty", "all_gather_into_tensor_out", "wait_tensor"]
+
+
+def _linear_fw(primals_1, x):
+    return torch.mm(x, primals_1.t())
+
+
+def _two_linears_fw(primals_1, primals_2, x):
+    return torch.mm(torch.mm(x, primals_1.t()).relu(), primals_2.t())
+
+
+def _bw_graph(w_shapes=((6, 4), (6, 6))):
+    """A backward graph returning the gradients of two parameters (argument indices 0 and 1) and of no input (2)."""
+    def bw(x, h, tangents_1):
+        g_first = torch.mm(tangents_1.t(), x)   # [6, 4]: produced first
+        g_second = torch.mm(tangents_1.t(), h)  # [6, 6]
+        return g_first, g_second, None
+    return trace(bw, (3, 4), (3, 6), (3, 6))
+
+
+# -- dynamo phase
+
+def test_mixed_precision_casts_at_first_use_and_outputs_back():
+    g = fx.Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    for ph, shape in ((w, (6, 4)), (x, (3, 4))):
+        ph.meta["example_value"] = torch.empty(shape, device="meta")
+    a = g.call_method("relu", (x,))
+    y = g.call_function(torch.matmul, (a, g.call_method("t", (w,))))
+    y.meta["example_value"] = torch.empty(3, 6, device="meta")
+    g.output((y,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    pctx = context({"stage": 3, "mixed_precision": {"param_dtype": "bf16"}}, "dynamo", {0: (6, 4)}, 2)
+    gm = mixed_precision.run(gm, pctx)
+    calls = [(n.op, n.target, n.args[0].name, getattr(n.args[1], "name", n.args[1]) if len(n.args) > 1 else None)
+             for n in gm.graph.nodes if n.op in ("call_method", "call_function")]
+    # x cast before relu; w cast after relu (its first use), not at the top; the output cast back to fp32
+    assert calls == [("call_method", "to", "x", torch.bfloat16), ("call_method", "relu", "to_1", None),
+                     ("call_method", "to", "w", torch.bfloat16), ("call_method", "t", "to", None),
+                     ("call_function", torch.matmul, "relu", "t"), ("call_method", "to", "matmul", torch.float32)]
+
+
+def test_mixed_precision_is_a_no_op_in_fp32():
+    gm = trace(_linear_fw, (6, 4), (3, 4))
+    before = ops(gm)
+    assert ops(mixed_precision.run(gm, context({"stage": 3}, "dynamo", {0: (6, 4)}, 2))) == before
+
+
+def test_tile_linears_splits_a_big_linear_into_row_tiles():
+    g = fx.Graph()
+    w, x, b = g.placeholder("w"), g.placeholder("x"), g.placeholder("b")
+    y = g.call_function(torch._C._nn.linear, (x, w, b))
+    g.output((y,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    cfg = {"stage": 3, "tiling": {"min_bytes": 64, "tiles": 2}}
+    pctx = context(cfg, "dynamo", {0: (8, 4), 2: (8,)}, 3)
+    assert pctx.params[0].row_multiple == 2 and not pctx.params[2].row_multiple
+    gm = tile_linears.run(gm, pctx)
+    assert ops(gm) == ["weight_tiles", "getitem", "getitem", "linear", "linear", "stack", "unflatten", "transpose",
+                       "flatten", "narrow", "add"]
+    tiles = call(gm, "weight_tiles")
+    assert tiles.args == (node(gm, "w"), 2, 2, pctx.params[0].shard_numel // 4)
+    assert [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear][0].args[0].name == "x"
+
+
+# -- joint phase
+
+def test_tag_param_recompute_tags_nodes_computed_from_parameters_only():
+    def joint(primals_1, primals_2):
+        wt = primals_1.t()                 # parameter only: recompute in backward
+        return torch.mm(primals_2, wt)     # depends on an input: saved as usual
+    gm = trace(joint, (6, 4), (3, 4))
+    gm = tag_param_recompute.run(gm, context({"stage": 3}, "joint", {0: (6, 4)}, 2))
+    tagged = {n.name for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
+    assert tagged == {"t"}
+
+
+def test_tag_param_recompute_leaves_stage_1_alone():
+    gm = trace(lambda primals_1, primals_2: torch.mm(primals_2, primals_1.t()), (6, 4), (3, 4))
+    gm = tag_param_recompute.run(gm, context({"stage": 1}, "joint", {0: (6, 4)}, 2))
+    assert not any("recompute" in n.meta for n in gm.graph.nodes)
+
+
+# -- split phase: parameters
+
+def test_shard_params_gathers_before_first_use():
+    gm = trace(_linear_fw, (5, 4), (3, 4))  # 5 rows over 2 ranks: 3 rows each, padded
+    pctx = context({"stage": 3}, "forward", {0: (5, 4)}, 2)
+    gm = shard_params.run(gm, pctx)
+    assert ops(gm) == GATHER + ["slice", "view", "t", "mm"]
+    (rec,) = records(gm)
+    assert (rec.op, rec.numel, rec.bytes, rec.param, rec.dtype) == ("all_gather", 24, 96, 0, torch.float32)
+    assert call(gm, "slice").args[1:] == (0, 0, 20)
+
+
+def test_shard_params_gathers_in_the_compute_dtype_when_every_use_casts():
+    def fw(primals_1, x):
+        return torch.mm(x.to(torch.bfloat16), primals_1.to(torch.bfloat16).t())
+    gm = trace(fw, (6, 4), (3, 4))
+    gm = shard_params.run(gm, context({"stage": 3}, "forward", {0: (6, 4)}, 2))
+    names = ops(gm)
+    assert names.count("_to_copy") == 1 and names[names.index("new_empty") - 1] == "convert_element_type"
+    (rec,) = records(gm)
+    assert rec.dtype == torch.bfloat16 and rec.bytes == 24 * 2
+
+
+def test_shard_params_backward_regathers_saved_parameters():
+    gm = trace(lambda primals_1, tangents_1: torch.mm(tangents_1, primals_1), (6, 4), (3, 6))
+    gm = shard_params.run(gm, context({"stage": 3}, "backward", {0: (6, 4)}, 1))
+    assert ops(gm) == GATHER + ["view", "mm"]
+    assert "re-gather" in records(gm)[0].why
+
+
+def test_shard_params_stage_2_reads_the_whole_parameter_as_a_side_input():
+    gm = trace(_linear_fw, (6, 4), (3, 4))
+    pctx = context({"stage": 2}, "forward", {0: (6, 4)}, 2)
+    gm = shard_params.run(gm, pctx)
+    assert records(gm) == [] and ops(gm) == ["t", "mm"]
+    side = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    assert side.name == "zc_full_param_0" and call(gm, "t").args[0] is side
+    assert [s.kind for s in pctx.side_inputs] == ["full"] and pctx.side_inputs[0].zp is pctx.params[0]
+
+
+def test_offload_params_reloads_host_shards_right_before_their_gather():
+    cfg = {"stage": 3, "offload": {"params": "cpu", "optimizer": "cpu"}}
+    pctx = context(cfg, "forward", {0: (6, 4)}, 2)
+    gm = offload_params.run(shard_params.run(trace(_linear_fw, (6, 4), (3, 4)), pctx), pctx)
+    assert ops(gm) == ["to_device"] + GATHER + ["view", "t", "mm"]
+    assert node(gm, "primals_1").meta["zc_tier"] == "cpu"
+    assert call(gm, "new_empty").args[0] is call(gm, "to_device")
+
+
+def test_secondary_partition_keeps_a_block_copy_and_regathers_within_the_block():
+    cfg = {"stage": 3, "hpz_partition_size": 2}
+    fw_ctx = context(cfg, "forward", {0: (8, 4)}, 2, world=4, rank=1)
+    fw = secondary_partition.run(shard_params.run(trace(_linear_fw, (8, 4), (3, 4)), fw_ctx), fw_ctx)
+    assert ops(fw) == GATHER + ["slice", "copy_", "view", "t", "mm"]
+    zp = fw_ctx.params[0]
+    assert zp.secondary_numel == 16 and call(fw, "slice").args[1:] == (0, 16, 32)  # rank 1: block position 1
+    assert [s.kind for s in fw_ctx.side_inputs] == ["secondary"]
+    bw_ctx = context(cfg, "backward", {0: (8, 4)}, 1, world=4, rank=1)
+    bw_ctx.params[0] = zp  # the backward of the same parameter
+    bw = trace(lambda primals_1, tangents_1: torch.mm(tangents_1, primals_1), (8, 4), (3, 8))
+    bw = secondary_partition.run(shard_params.run(bw, bw_ctx), bw_ctx)
+    (rec,) = records(bw)
+    assert rec.ranks == (0, 1) and rec.numel == 32 and "secondary" in rec.why
+    gather = next(n for n in bw.graph.nodes if collectives.is_op(n, "all_gather"))
+    assert gather.args[0].name.startswith("zc_secondary_param")
+
+
+def test_quantize_weights_gathers_int8_blocks_and_dequantizes():
+    cfg = {"stage": 3, "quantize_weights": {"block": 8}}
+    pctx = context(cfg, "forward", {0: (6, 4)}, 2)
+    gm = quantize_weights.run(shard_params.run(trace(_linear_fw, (6, 4), (3, 4)), pctx), pctx)
+    names = ops(gm)
+    assert names[:2] == ["quantize_int8", "getitem"] and "dequantize_int8" in names
+    assert names.index("all_gather_into_tensor_out") < names.index("wait_tensor") < names.index("dequantize_int8")
+    (rec,) = records(gm)
+    assert rec.dtype == torch.int8 and rec.param == 0 and "qwZ" in rec.why  # still names its parameter
+
+
+# -- split phase: gradients
+
+def test_reduce_grads_reduce_scatters_each_gradient_where_it_is_produced_one_in_flight():
+    gm = _bw_graph()
+    pctx = context({"stage": 3}, "backward", {0: (6, 4), 1: (6, 6)}, 3)
+    gm = reduce_grads.run(gm, pctx)
+    names = ops(gm)
+    first_rs, second_rs = [k for k, n in enumerate(names) if n == "reduce_scatter_tensor"]
+    waits = [k for k, n in enumerate(names) if n == "wait_tensor"]
+    assert names.index("mm") < first_rs < names.index("mm", names.index("mm") + 1)  # issued before the 2nd grad
+    assert waits[0] < second_rs  # one in flight: the first is waited on before the second is issued
+    recs = records(gm)
+    assert [r.numel for r in recs] == [24, 36] and all(r.op == "reduce_scatter" for r in recs)
+    muls = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert [m.args[1] for m in muls] == [0.5, 0.5]  # pre-scaled by 1/world
+    out = list(gm.graph.output_node().args[0])
+    assert out[2] is None and all(o.target is torch.ops._c10d_functional.wait_tensor.default for o in out[:2])
+
+
+def test_reduce_grads_all_reduces_whole_gradients_at_stage_1():
+    gm = reduce_grads.run(_bw_graph(), context({"stage": 1}, "backward", {0: (6, 4), 1: (6, 6)}, 3))
+    assert [r.op for r in records(gm)] == ["all_reduce", "all_reduce"]
+
+
+def test_bucket_collectives_merges_gathers_and_reductions():
+    cfg = {"stage": 3, "bucket_mb": 1}
+    fw_ctx = context(cfg, "forward", {0: (6, 4), 1: (6, 6)}, 3)
+    fw = trace(_two_linears_fw, (6, 4), (6, 6), (3, 4))
+    fw = bucket_collectives.run(shard_params.run(fw, fw_ctx), fw_ctx)
+    (rec,) = records(fw)
+    assert rec.op == "all_gather" and rec.numel == 60 and "bucket 0 of 2 params" in rec.why
+    names = ops(fw)
+    assert names[:4] == ["cat", "new_empty", "all_gather_into_tensor_out", "wait_tensor"]
+    assert names.count("clone") == 2  # each member copied out of the flat buffer
+    bw_ctx = context(cfg, "backward", {0: (6, 4), 1: (6, 6)}, 3)
+    bw = bucket_collectives.run(reduce_grads.run(_bw_graph(), bw_ctx), bw_ctx)
+    (rec,) = records(bw)
+    assert rec.op == "reduce_scatter" and rec.members == [12, 18] and rec.numel == 60
+
+
+def test_bucket_collectives_with_zero_mb_keeps_one_collective_per_parameter():
+    cfg = {"stage": 3, "bucket_mb": 0}
+    bw_ctx = context(cfg, "backward", {0: (6, 4), 1: (6, 6)}, 3)
+    bw = bucket_collectives.run(reduce_grads.run(_bw_graph(), bw_ctx), bw_ctx)
+    assert [r.members for r in records(bw)] == [None, None]
+
+
+def test_quantize_gradients_turns_reduce_scatters_into_two_int4_all_to_alls():
+    cfg = {"stage": 3, "bucket_mb": 0, "quantize_gradients": {"block": 8}}
+    pctx = context(cfg, "backward", {0: (8, 4), 1: (8, 8)}, 3, world=4, rank=0, ranks_per_node=2)
+    bw = trace(lambda x, h, tangents_1: (torch.mm(tangents_1.t(), x), torch.mm(tangents_1.t(), h), None),
+               (3, 4), (3, 8), (3, 8))
+    bw = quantize_gradients.run(reduce_grads.run(bw, pctx), pctx)
+    recs = records(bw)
+    assert [r.op for r in recs] == ["all_to_all"] * 4
+    assert [r.ranks for r in recs] == [(0, 1), (0, 2)] * 2  # intra-node, then inter-node, per gradient
+    assert all(r.dtype == torch.uint8 for r in recs)
+    names = ops(bw)
+    assert "reduce_scatter_tensor" not in names and names.count("dequantize_sum_int4") == 4
+
+
+# -- split phase: activations and order
+
+def test_offload_activations_sends_big_saved_tensors_to_the_host_and_reloads_them():
+    cfg = {"stage": 3, "offload": {"activations": "cpu", "activation_min_bytes": 40}}
+    fw_ctx = context(cfg, "forward", {}, 1)
+    fw_ctx.num_fwd_outputs = 1
+    fw = trace(lambda x: (x.sum(), x.relu(), x[:1].relu()), (3, 4))  # saves relu (48 B) and relu_1 (16 B)
+    fw = offload_activations.run(fw, fw_ctx)
+    out = list(fw.graph.output_node().args[0])
+    assert out[1].target is torch.ops.zcompile.to_host.default and out[1].args[0].name == "relu"
+    assert out[2].name == "relu_1" and fw_ctx.offloaded == {"relu": 48}
+    bw_ctx = context(cfg, "backward", {}, 1)
+    bw_ctx.offloaded = fw_ctx.offloaded
+    bw = trace(lambda relu, relu_1, tangents_1: (relu * tangents_1 + relu_1.sum(),), (3, 4), (1, 4), ())
+    bw = offload_activations.run(bw, bw_ctx)
+    assert ops(bw)[0] == "to_device" and node(bw, "relu").meta["zc_tier"] == "cpu"
+    assert "zc_tier" not in node(bw, "relu_1").meta
+
+
+def test_prefetch_issues_each_gather_one_ahead():
+    def fw(primals_1, primals_2, primals_3, x):
+        h = torch.mm(x, primals_1.t()).relu()
+        h = torch.mm(h, primals_2.t()).relu()
+        return torch.mm(h, primals_3.t())
+    cfg = {"stage": 3, "bucket_mb": 0, "prefetch": 1}
+    pctx = context(cfg, "forward", {0: (4, 4), 1: (4, 4), 2: (4, 4)}, 4)
+    gm = shard_params.run(trace(fw, (4, 4), (4, 4), (4, 4), (3, 4)), pctx)
+    before = [n.name for n in gm.graph.nodes if collectives.is_op(n, "all_gather")]
+    gm = prefetch.run(gm, pctx)
+    nodes = list(gm.graph.nodes)
+    gathers = [n for n in nodes if collectives.is_op(n, "all_gather")]
+    assert [g.name for g in gathers] == before
+    waits = [collectives.wait_of(g) for g in gathers]
+    # gather k+1 is issued before gather k is waited on; waits stay right before their uses
+    for k in range(2):
+        assert nodes.index(gathers[k + 1]) < nodes.index(waits[k])
+    assert nodes.index(gathers[0]) < nodes.index(gathers[1]) < nodes.index(gathers[2])
+    mms = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert all(nodes.index(waits[k]) < nodes.index(mms[k]) for k in range(3))
+    assert nodes.index(waits[1]) > nodes.index(mms[0])  # not waited on before the first layer ran
+    assert all("[prefetched 1 gather(s) ahead]" in collectives.record(g).why for g in gathers)
+
+
+def test_prefetch_zero_leaves_the_graph_alone():
+    pctx = context({"stage": 3, "prefetch": 0}, "forward", {0: (4, 4)}, 2)
+    gm = shard_params.run(trace(_linear_fw, (4, 4), (3, 4)), pctx)
+    before = [n.name for n in gm.graph.nodes]
+    assert [n.name for n in prefetch.run(gm, pctx).graph.nodes] == before
