@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zcompile import schedule_check  # noqa: E402
-from zcompile.dist_context import DistContext  # noqa: E402
-from zcompile.launch import run_world  # noqa: E402
+from zcompile.compiler import schedule_check  # noqa: E402
+from zcompile.runtime.dist_context import DistContext  # noqa: E402
+from zcompile.tools.launch import run_world  # noqa: E402
 
 
 def _per_call_us(fn, calls: int) -> float:

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zcompile  # noqa: E402
-from zcompile.launch import WorkerFailed, run_world  # noqa: E402
+from zcompile.tools.launch import WorkerFailed, run_world  # noqa: E402
 from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ["ddp", "fsdp2", "fsdp2_compile", "deepspeed_z3", "zcompile_z1", "zcompile_z2", "zcompile_z3"]
@@ -258,7 +258,7 @@ def worker(rank: int, world: int, system: str, args) -> dict:
     gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     n = args.warmup + args.steps
     # tensor peak on CPU: live storages at a step's start + the allocator's highest rise in it
-    # (zcompile/allocator_peak.py); taken before the accounting step, after which DDP (run under a dispatch mode)
+    # (zcompile/runtime/allocator_peak.py); taken before the accounting step, after which DDP (run under a dispatch mode)
     # keeps a gradient-sized list alive
     tensor = None
     if device.type == "cpu":

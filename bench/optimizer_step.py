@@ -7,7 +7,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from zcompile.launch import run_world  # noqa: E402
+from zcompile.tools.launch import run_world  # noqa: E402
 
 
 def _time(rank: int, world: int, foreach: bool | None) -> dict:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zcompile  # noqa: E402
 from bench.compare import build_model, loss_of  # noqa: E402
-from zcompile.launch import run_world  # noqa: E402
+from zcompile.tools.launch import run_world  # noqa: E402
 
 LR = 1e-3
 

@@ -1,4 +1,4 @@
 """The tests' multi-process runner (lives in the package so the benchmarks share it)."""
-from zcompile.launch import WorkerFailed, run_world
+from zcompile.tools.launch import WorkerFailed, run_world
 
 __all__ = ["WorkerFailed", "run_world"]

@@ -7,10 +7,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zcompile import collectives, config as zconfig, shard_store
-from zcompile.dist_context import DistContext
-from zcompile.pass_context import PassContext
-from zcompile.topology import Topology
+from zcompile import config as zconfig
+from zcompile.compiler import collectives
+from zcompile.runtime import shard_store
+from zcompile.runtime.dist_context import DistContext
+from zcompile.compiler.pass_context import PassContext
+from zcompile.compiler.topology import Topology
 
 
 def trace(fn, *shapes, dtypes=None) -> fx.GraphModule:

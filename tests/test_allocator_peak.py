@@ -5,8 +5,8 @@ import torch
 import zcompile
 from tests import workers
 from tests.harness import run_world
-from zcompile.allocator_peak import highest_rise
-from zcompile.memory_trace import LiveStorageTracker
+from zcompile.runtime.allocator_peak import highest_rise
+from zcompile.runtime.memory_trace import LiveStorageTracker
 
 
 def test_eager_step_peak_equals_storage_tracking():

@@ -5,8 +5,8 @@ import pathlib
 import pytest
 
 import zcompile
-from zcompile import pass_contracts
-from zcompile.pass_contracts import CONTRACTS, check_pipeline
+from zcompile.compiler import pass_contracts
+from zcompile.compiler.pass_contracts import CONTRACTS, check_pipeline
 
 ROOT = pathlib.Path(zcompile.__file__).parent
 
@@ -57,8 +57,57 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles():
     graph = _import_graph()
-    assert "zcompile.passes.shard_params" in graph and "zcompile.config" in graph["zcompile.backend"]
+    assert "zcompile.compiler.passes.shard_params" in graph and "zcompile.config" in graph["zcompile.compiler.backend"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_layers_depend_one_way():
+    """tools -> compiler -> runtime: the runtime never imports the compiler (the compiler's commit step builds runtime
+    state), and neither imports the tools."""
+    below = {"runtime": ("zcompile.compiler", "zcompile.tools"), "compiler": ("zcompile.tools",),
+             "kernels": ("zcompile.compiler", "zcompile.tools"), "models": ("zcompile.compiler", "zcompile.tools")}
+    bad = [f"{m} -> {d}" for m, deps in _import_graph().items() for layer, banned in below.items()
+           if m.startswith(f"zcompile.{layer}") for d in deps if d.startswith(banned)]
+    assert not bad, bad
+
+
+_STATEFUL_CALLS = {"dict", "list", "set", "Counter", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "count",
+                   "local", "Lock", "RLock"}
+
+
+def _module_state() -> set[str]:
+    """'runtime/groups.py _MADE' for every module-level name that holds state: an empty container, a counter, a
+    lock or thread-local, or a name a function rebinds with `global`."""
+    found = set()
+    for p in ROOT.rglob("*.py"):
+        tree = ast.parse(p.read_text())
+        rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                targets, value = [t for t in node.targets if isinstance(t, ast.Name)], node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                targets, value = [node.target], node.value
+            else:
+                continue
+            empty = isinstance(value, (ast.Dict, ast.List, ast.Set)) and not (
+                getattr(value, "keys", None) or getattr(value, "elts", None))
+            call = isinstance(value, ast.Call) and (getattr(value.func, "attr", None) or getattr(value.func, "id", None))
+            for t in targets:
+                if empty or call in _STATEFUL_CALLS or t.id in rebound:
+                    found.add(f"{p.relative_to(ROOT).as_posix()} {t.id}")
+    return found
+
+
+def test_process_wide_state_is_documented():
+    """Every module-level piece of state is in docs/architecture.md's table, and the table lists nothing else."""
+    import re
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    documented = set()
+    for row in re.findall(r"^\| `([\w/]+\.py)` ((?:`\w+`(?:, )?)+) \|", text, re.M):
+        documented |= {f"{row[0]} {name}" for name in re.findall(r"`(\w+)`", row[1])}
+    found = _module_state()
+    assert "runtime/groups.py _MADE" in found and "compiler/backend.py _COMPILED" in found
+    assert found == documented, (sorted(found - documented), sorted(documented - found))
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -66,12 +115,12 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_config_reads_contracts_without_importing_passes():
-    assert "zcompile.passes" not in _import_graph()["zcompile.config"]
-    assert not {d for d in _import_graph()["zcompile.pass_contracts"]}  # a leaf: data only
+    assert "zcompile.compiler.passes" not in _import_graph()["zcompile.config"]
+    assert not {d for d in _import_graph()["zcompile.compiler.pass_contracts"]}  # a leaf: data only
 
 
 def test_every_contract_has_a_pass():
-    from zcompile.passes import PASSES
+    from zcompile.compiler.passes import PASSES
     assert PASSES.keys() == CONTRACTS.keys()
 
 
@@ -90,8 +139,8 @@ def test_undeclared_record_field_is_caught():
     """A pass that sets a record field its contract does not declare fails right after it runs."""
     import torch
     import torch.fx as fx
-    from zcompile import collectives
-    from zcompile.passes import check_records
+    from zcompile.compiler import collectives
+    from zcompile.compiler.passes import check_records
     g = fx.Graph()
     x = g.placeholder("x")
     w = collectives.all_gather(g, x, 4, torch.float32, 2, "0", "gather x")

@@ -87,7 +87,7 @@ def test_bad_config_fails_at_first_forward_without_training(tmp_path):
 
 
 def test_config_is_frozen_per_options_object():
-    from zcompile.backend import frozen_config
+    from zcompile.compiler.backend import frozen_config
     options = {"config": {"stage": 2}}
     first = frozen_config(options)
     options["config"]["stage"] = 3  # a later edit is not seen by recompiles of the same torch.compile call

@@ -10,7 +10,7 @@ import torch
 import zcompile
 from tests import fault_workers
 from tests.harness import WorkerFailed, run_world
-from zcompile import nvme_files, offload_engine
+from zcompile.runtime import nvme_files, offload_engine
 
 
 def test_ranks_taking_different_branches_fail_before_any_update():

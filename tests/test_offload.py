@@ -8,9 +8,9 @@ import torch
 
 from tests import workers
 from tests.harness import WorkerFailed, run_world
-from zcompile import nvme_files
+from zcompile.runtime import nvme_files
 from zcompile.config import ConfigError, from_dict
-from zcompile.cpu_adam import CPUAdam
+from zcompile.runtime.cpu_adam import CPUAdam
 
 STEPS, ACCUM = 3, 2
 FULL_CPU = {"optimizer": "cpu", "params": "cpu", "activations": "cpu", "activation_min_bytes": 0}
@@ -131,7 +131,7 @@ def test_tiling_under_inductor_with_cpu_offload():
 
 
 def test_cpu_adam_is_fused_adamw_and_streams_from_nvme(tmp_path):
-    from zcompile import offload_engine
+    from zcompile.runtime import offload_engine
 
     torch.manual_seed(0)
     shapes = [(300,), (17, 5), (1000,)]
@@ -210,7 +210,7 @@ def test_offload_and_tiling_config_errors(raw, match):
 
 
 def test_plan_with_offload_moves_model_state_off_the_device():
-    from zcompile.plan import plan
+    from zcompile.tools.plan import plan
     plain = plan("gpt-small", world=8, overrides={"n_layer": 2})
     off = plan("gpt-small", world=8, overrides={"n_layer": 2}, offload="nvme",
                config={"stage": 3, "offload": {"activations": "cpu"}})

@@ -4,7 +4,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from zcompile.passes import placement
+from zcompile.compiler.passes import placement
 
 
 def _graph():

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from tests import workers
-from zcompile import collectives
+from zcompile.compiler import collectives
 from tests.harness import run_world
 from tests.test_parity import TOL, max_diff
 
@@ -57,7 +57,7 @@ def test_plan_175b_on_512_ranks_matches_zero_formulas():
     """GPT-3 175B planned for 512 ranks on the meta device: model states per rank equal the ZeRO-3 formula
     16*P/N (the paper's (2+2+12)*P/N), and a step moves 3x the model (ZeRO-3's 1.5x DDP)."""
     import resource
-    from zcompile.plan import plan
+    from zcompile.tools.plan import plan
     result = plan("gpt-175b", world=512, nodes=64)
     P = result.num_params
     assert 174e9 < P < 176e9
@@ -94,7 +94,7 @@ def test_plan_cli_writes_schedule_trace_and_json(tmp_path):
 
 
 def test_memory_plot_and_dumped_timeline(tmp_path):
-    from zcompile import timeline
+    from zcompile.compiler import timeline
     config = {"stage": 3, "backend": "eager", "dump": str(tmp_path)}
     runs = run_world(2, workers.planned_vs_measured, "gpt", config)[0]
     timeline.plot_memory(runs, str(tmp_path / "memory.png"))
@@ -108,7 +108,7 @@ def test_memory_plot_and_dumped_timeline(tmp_path):
 def test_bf16_gathers_sit_at_first_use_not_at_the_top():
     """mixed_precision once put every parameter cast at the top of the graph and the gathers followed them: the
     whole model was gathered before the first matmul (found by planning 175B in bf16)."""
-    from zcompile.plan import plan
+    from zcompile.tools.plan import plan
     cfg = {"stage": 3, "mixed_precision": {"param_dtype": "bf16"}, "bucket_mb": 0, "prefetch": 0}
     fw = plan("gpt-small", world=8, config=cfg, seq=64, overrides={"n_layer": 4}).graphs["forward"]
     gathers_before_matmul, total = 0, 0
@@ -124,7 +124,7 @@ def test_bf16_gathers_sit_at_first_use_not_at_the_top():
 def test_plan_zeropp_cross_node_volume_and_hpz_memory():
     """ZeRO++ planned for 2 nodes x 8: cross-node volume per node 0.75M x (K-1)/K (+ block scales) against ZeRO-3's
     3M x (K-1)/K, and the hpZ secondary partition (P/8 bf16 elements) in the model state."""
-    from zcompile.plan import plan
+    from zcompile.tools.plan import plan
     mp = {"param_dtype": "bf16", "reduce_dtype": "bf16"}
     zpp = {"stage": 3, "mixed_precision": mp, "quantize_weights": {}, "quantize_gradients": {}, "hpz_partition_size": 8}
     kw = dict(world=16, nodes=2, seq=64, overrides={"n_layer": 2})

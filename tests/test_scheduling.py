@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tests import workers
 from tests.harness import run_world
 from tests.test_parity import TOL, max_diff
-from zcompile import liveness
+from zcompile.compiler import liveness
 
 
 def test_liveness_is_alias_aware():

@@ -107,7 +107,7 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int
     `reports` collects the memory report of each step, taken after the step and before zero_grad, when parameters,
     gradients and optimizer state are all alive.
     """
-    device = zcompile.dist_context.DistContext.current().device
+    device = zcompile.runtime.dist_context.DistContext.current().device
     if model is None:
         torch._dynamo.reset()
         model = torch.compile(build_model(name).to(device), backend="zero", options={"config": config})
@@ -176,7 +176,7 @@ def killed_save(rank: int, world: int, directory: str, where: str) -> None:
     import os
     import signal
 
-    from zcompile import checkpoint
+    from zcompile.runtime import checkpoint
     config = {"stage": 3, "backend": "eager"}
     model, opt, _ = train(rank, world, "gpt", config, 1)
     zcompile.save_checkpoint(directory, model, opt, extra={"step": 1})
@@ -334,7 +334,7 @@ def gradient_shards(rank: int, world: int, name: str, config: dict, dtype: str |
     """One forward/backward; this rank's reduced gradient shard of every parameter (stages 2/3), by name.
     `dtype` ("fp16", "bf16"): the model's parameters are stored in it (not mixed precision)."""
     torch._dynamo.reset()
-    device = zcompile.dist_context.DistContext.current().device
+    device = zcompile.runtime.dist_context.DistContext.current().device
     model = build_model(name).to(device)
     if dtype is not None:
         model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype])

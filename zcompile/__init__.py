@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import torch
 
-from zcompile.allocator_peak import step_tensor_peak
-from zcompile.backend import planned_step_peak, zero_backend
-from zcompile.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from zcompile.collective_traffic import reset_traffic, traffic
+from zcompile.runtime.allocator_peak import step_tensor_peak
+from zcompile.compiler.backend import planned_step_peak, zero_backend
+from zcompile.runtime.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from zcompile.runtime.collective_traffic import reset_traffic, traffic
 from zcompile.config import Config
 from zcompile.errors import (CheckpointError, ConfigError, MemoryBudgetError, NonFiniteGradients, PeerTimeout,
                              ScheduleMismatch, ZCompileError, ZeroError)
-from zcompile.cpu_adam import CPUAdam
-from zcompile.nvme_files import OffloadFileError
-from zcompile.offload_engine import offload_traffic, reset_offload_traffic
-from zcompile.dist_context import init_distributed
-from zcompile.dtensor_params import shard_parameters
-from zcompile.grad_clip import clip_grad_norm_
-from zcompile.memory_trace import measure_memory
-from zcompile.report import memory_report
+from zcompile.runtime.cpu_adam import CPUAdam
+from zcompile.runtime.nvme_files import OffloadFileError
+from zcompile.runtime.offload_engine import offload_traffic, reset_offload_traffic
+from zcompile.runtime.dist_context import init_distributed
+from zcompile.runtime.dtensor_params import shard_parameters
+from zcompile.runtime.grad_clip import clip_grad_norm_
+from zcompile.runtime.memory_trace import measure_memory
+from zcompile.tools.report import memory_report
 
 __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",

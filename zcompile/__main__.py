@@ -1,5 +1,5 @@
 import sys
 
-from zcompile.cli import main
+from zcompile.tools.cli import main
 
 sys.exit(main())

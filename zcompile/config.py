@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from zcompile.errors import ConfigError  # noqa: F401  (re-exported: zcompile.config.ConfigError)
-from zcompile.pass_contracts import CONTRACTS, DEFAULT_PIPELINE, check_pipeline
+from zcompile.compiler.pass_contracts import CONTRACTS, DEFAULT_PIPELINE, check_pipeline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STAGES = (0, 1, 2, 3)

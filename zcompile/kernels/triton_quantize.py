@@ -11,10 +11,10 @@ try:
 except ImportError:  # CPU machines without triton use the torch reference
     AVAILABLE = False
 
-_DTYPES = {}
+_DTYPES = ({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+           if AVAILABLE else {})  # torch dtype -> triton dtype
 
 if AVAILABLE:
-    _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
     def _quantize_int8(x_ptr, q_ptr, scale_ptr, n, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr,

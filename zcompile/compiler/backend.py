@@ -1,0 +1,521 @@
+"""The `zero` dynamo backend: dynamo graph -> passes -> AOTAutograd -> passes on forward/backward -> compiler.
+
+    torch.compile(model, backend="zero", options={"config": "zero3.yaml"})
+
+Parameters arrive as graph inputs and are identified by identity (`example_inputs[i]` is the nn.Parameter), so graph
+breaks and recompiles map them to the same shards. The returned callable replaces each parameter argument with the
+tensor the graph was compiled for (the shard at stages 2/3) and appends the side inputs a pass asked for.
+
+Compiling decides; committing acts. The passes and the planner only rewrite graphs and record decisions (side
+inputs, subgroups, which parameters stay whole, where optimizer state lives). `_GraphCompile.commit_graph` is the
+one step that turns them into runtime state: process groups, whole-parameter buffers and their all-gather, host
+masters, the compiled graph and the function that runs it. `zcompile plan` compiles without committing
+(`dry_backend`): nothing is allocated or communicated, and the "run" returns meta tensors.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._python_dispatch import _disable_current_modes
+
+from zcompile import config as zconfig
+from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
+from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
+from zcompile.runtime import collective_traffic
+from zcompile.runtime.dist_context import DistContext, set_group_timeout
+from zcompile.compiler.dump import GraphDumper
+from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
+from zcompile.compiler.pass_context import PassContext
+from zcompile.compiler.passes import placement
+from zcompile.compiler.topology import Topology
+
+_graph_ids = itertools.count()  # numbers graphs in dumps and messages, per process
+
+
+def _refresh_meta(gm: fx.GraphModule, inputs: list | None = None) -> list:
+    """Re-run fake propagation after the passes changed input shapes and added nodes; returns the fake inputs.
+
+    `inputs` overrides the placeholders' own values (AOTAutograd re-strides saved activations to the layout the
+    compiled forward really produces; the backward must be compiled for those strides).
+    """
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if inputs is None:
+        inputs = [n.meta["val"] for n in phs]
+    fake_mode = detect_fake_mode(inputs)
+    assert fake_mode is not None, "graph placeholders carry no fake values"
+    for n, v in zip(phs, inputs):
+        n.meta["val"] = v
+    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    return inputs
+
+
+def _propagated_for(phs: list[fx.Node], inputs: list) -> bool:
+    """Whether the graph's fake values already hold for `inputs`: the same fake mode and, input by input, static
+    shapes, strides, dtypes and devices (then re-propagating, seconds on a deep model, would change nothing)."""
+    vals = [n.meta.get("val") for n in phs]
+    if detect_fake_mode(vals) is not detect_fake_mode(inputs):
+        return False
+    for v, x in zip(vals, inputs):
+        if not (isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor)):
+            return False
+        static = all(isinstance(d, int) for d in (*v.shape, *v.stride(), *x.shape, *x.stride()))
+        if not static or (v.shape, v.stride(), v.dtype, v.device) != (x.shape, x.stride(), x.dtype, x.device):
+            return False
+    return True
+
+
+def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
+    """Shard placeholders take shard-shaped fake values; side-input placeholders take full-shape ones. A whole
+    parameter's shard is a view of its full buffer, as at run time, so liveness counts that storage once."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in phs if "val" in n.meta])
+    buffers: dict = {}
+
+    def full_buffer(zp):
+        if zp not in buffers:
+            buffers[zp] = torch.empty(zp.padded_numel, dtype=zp.dtype, device=pctx.dist.device)
+        return buffers[zp]
+
+    with fake_mode:
+        if pctx.cfg.stage >= 2:
+            for i, ph in pctx.param_placeholders(gm).items():
+                zp = pctx.params[i]
+                if zp.keeps_full:
+                    ph.meta["val"] = full_buffer(zp)[zp.rank * zp.shard_numel:(zp.rank + 1) * zp.shard_numel]
+                else:
+                    where = pctx.dist.device if zp.param_tier == "device" else "cpu"
+                    ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=where)
+                pctx.own_placeholders.add(ph.name)
+        for ph in phs:
+            side = ph.meta.get("zc_side")
+            if side is None:
+                continue
+            zp = side.zp
+            if side.kind == "full":
+                ph.meta["val"] = full_buffer(zp)[: zp.numel].view(zp.shape)
+            else:
+                ph.meta["val"] = torch.empty(zp.secondary_numel, dtype=zp.secondary_dtype, device=pctx.dist.device)
+            pctx.own_placeholders.add(ph.name)
+
+
+class _GraphCompile:
+    """One dynamo graph's trip through the passes and the compiler."""
+
+    def __init__(self, cfg: zconfig.Config, ctx: DistContext, params: dict[int, shard_store.ShardedParam],
+                 num_args: int, identity: int = 0, inputs_text: str = "", commit: bool = True):
+        self.cfg, self.ctx, self.params, self.num_args = cfg, ctx, params, num_args
+        self.commit = commit  # False: a dry compile (zcompile plan), whose graphs are analyzed, never run
+        self.identity, self.inputs_text = identity, inputs_text  # schedule_check.graph_identity; what the inputs are
+        self.schedule_identity = 0  # schedule_check.fingerprint of the compiled graphs
+        self.graph_id = next(_graph_ids)
+        self.topology = Topology.resolve(ctx.world, cfg.ranks_per_node, cfg.source)
+        for zp in params.values():
+            zp.cross_fraction = self.topology.cross_fraction(range(ctx.world))
+        self.dump = GraphDumper(cfg.dump_dir, ctx.rank, self.graph_id)
+        self.final: dict[str, fx.GraphModule] = {}
+        self.planned: dict[str, liveness.Liveness] = {}  # liveness of each final graph, as compiled
+        self.notes: list[str] = []  # planner decisions, shown at the top of every dump of this graph
+        self.num_fwd_outputs = 0
+        self.offloaded: dict[str, int] = {}  # saved activations the forward sends to the host, by name
+
+    def pctx(self, kind: str, offloaded: dict | None = None) -> PassContext:
+        return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args, self.topology,
+                           num_fwd_outputs=self.num_fwd_outputs,
+                           offloaded=self.offloaded if offloaded is None else offloaded)
+
+    def dumper(self, kind: str):
+        """on_pass for run_phase: dump the graph after each pass (None when not dumping)."""
+        return (lambda name, gm: self.dump(kind, name, gm)) if self.dump.dir else None
+
+    def split_passes(self, gm: fx.GraphModule, kind: str, trial: dict | None = None
+                     ) -> tuple[fx.GraphModule, PassContext]:
+        """`trial`: a scratch record of offloaded activations for a trial run on copies (nothing is kept)."""
+        pctx = self.pctx(kind, trial)
+        if trial is None:
+            gm.meta["zc_notes"] = list(self.notes)
+            self.dump(kind, "input", gm)
+        gm = passes.run_phase("split", gm, pctx, None if trial is not None else self.dumper(kind))
+        collectives.mark_cross_node(gm, self.topology, range(self.ctx.world))
+        _set_placeholder_vals(gm, pctx)
+        _refresh_meta(gm)
+        if trial is None:
+            self.final[kind] = gm
+        return gm, pctx
+
+    def cost_model(self) -> timeline.CostModel:
+        return timeline.CostModel() if self.ctx.device.type == "cuda" else timeline.CostModel.cpu()
+
+    def plan_persistence(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """Stage 3: decide which parameters of this graph stay whole (planner.choose_persistent). With a memory
+        budget, the headroom is the budget minus the planned step peak with every parameter sharded, measured by
+        running the split passes on copies of the graphs."""
+        undecided = [zp for zp in self.params.values()
+                     if zp.stage == 3 and not zp.persist_decided and zp.param_tier == "device"]
+        if not undecided:
+            return
+        budget = self.cfg.memory_budget_bytes(self.ctx.device)
+        headroom = None
+        if budget is not None:
+            scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
+            lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind,
+                                                              trial=scratch)[0])
+                     for kind, gm in graphs.items()}
+            peak = planner.step_peak(planner.model_state(list(self.params.values())), lives)
+            headroom = max(0, budget - peak)
+        chosen, why = planner.choose_persistent(undecided, self.cfg.persist_threshold_bytes, headroom)
+        for zp in undecided:
+            zp.persist_decided = True
+            zp.persistent = zp in chosen  # decided here; the commit step gives them their whole buffers
+        if chosen or budget is not None or self.cfg.persist_threshold_bytes:
+            self.notes.append(why)
+
+    def check_budget(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """A plan whose step peak exceeds `memory_budget` fails here (over_budget: error), before anything runs."""
+        budget = self.cfg.memory_budget_bytes(self.ctx.device)
+        if budget is None:
+            for zp in self.params.values():
+                zp.decide_optimizer_tier(offload=False)  # 'auto' without a budget: nothing asks to offload
+            return
+        lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
+        zps = list(self.params.values())
+        state = planner.model_state(zps)
+        peak = planner.step_peak(state, lives)
+        auto = [zp for zp in zps if zp.optim_tier == "auto"]
+        if auto:  # offload.optimizer auto: the optimizer state stays on the device if the step fits with it there
+            for zp in auto:
+                zp.decide_optimizer_tier(offload=peak > budget)
+            self.notes.append(f"offload: optimizer state of {len(auto)} param(s) "
+                              + ("on the host (the step does not fit the budget with it on the device)"
+                                 if peak > budget else "on the device (the step fits the budget)"))
+            for gm in graphs.values():
+                gm.meta.setdefault("zc_notes", []).append(self.notes[-1])
+            state = planner.model_state(zps)
+            peak = planner.step_peak(state, lives)
+        if peak <= budget:
+            return
+        worst = max(lives, key=lambda k: planner.graph_peak(lives[k]))
+        g = lives[worst]
+        msg = (f"{self.cfg.source}: planned step peak {liveness.fmt(peak)} per rank exceeds memory_budget "
+               f"{liveness.fmt(budget)}: gradients {liveness.fmt(state.grad)} + optimizer state "
+               f"{liveness.fmt(state.optim)} + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, saved "
+               f"activations) + transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}. Offload moves "
+               "state off the device: offload.optimizer (cpu/nvme), offload.params (cpu/nvme, stage 3), "
+               "offload.activations (cpu); tiling splits large linears")
+        if self.cfg.over_budget == "warn":
+            for gm in graphs.values():
+                gm.meta.setdefault("zc_notes", []).append(f"OVER BUDGET: {msg}")
+            return
+        raise MemoryBudgetError(msg)
+
+    def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        self.dump("joint", "input", joint)
+        joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        self.num_fwd_outputs = num_fwd_outputs
+        self.plan_persistence({"forward": fw, "backward": bw})
+        fw, self.fw_pctx = self.split_passes(fw, "forward")
+        bw, self.bw_pctx = self.split_passes(bw, "backward")
+        self.check_budget({"forward": fw, "backward": bw})
+        self.dump.schedule({"forward": fw, "backward": bw}, self.cost_model())
+        if self.cfg.schedule_check:
+            self.schedule_identity = schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw},
+                                                          self.cfg.collective_timeout_s)
+        return fw, bw
+
+    def run_check(self, kind: str):
+        """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check), and
+        whether they refresh whole-parameter copies first. check(refresh: bool) or None."""
+        if not self.cfg.schedule_check or self.ctx.world == 1:
+            return None
+        mine = [schedule_check.record(schedule_check.RUN,
+                                      schedule_check.digest(self.identity, self.schedule_identity, kind, refresh),
+                                      f"the {kind} of graph {self.graph_id} ({self.inputs_text})"
+                                      + (", refreshing whole parameters after a step" if refresh else ""))
+                for refresh in (False, True)]
+        return lambda refresh: schedule_check.exchange(self.ctx, mine[refresh], self.cfg.collective_timeout_s)
+
+    def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
+        if kind == "inference":
+            self.plan_persistence({"inference": gm})
+            gm, pctx = self.split_passes(gm, kind)
+            self.check_budget({"inference": gm})
+            self.dump.schedule({"inference": gm}, self.cost_model())
+            if self.cfg.schedule_check:
+                self.schedule_identity = schedule_check.agree(self.ctx, self.graph_id, {"inference": gm},
+                                                              self.cfg.collective_timeout_s)
+        else:
+            pctx = self.fw_pctx if kind == "forward" else self.bw_pctx
+        # AOTAutograd's example inputs carry the real layout of saved activations; ours, the shards and side inputs.
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_inputs = [n.meta["val"] if n.name in pctx.own_placeholders or k >= len(example_inputs)
+                       or not isinstance(example_inputs[k], torch.Tensor) else _on_tier(n, example_inputs[k])
+                       for k, n in enumerate(phs)]
+        if not _propagated_for(phs, fake_inputs):
+            _refresh_meta(gm, fake_inputs)
+        planned = self.planned[kind] = liveness.analyze(gm)
+        if not self.commit:
+            return _dry_runner(gm)
+        return self.commit_graph(kind, gm, fake_inputs, pctx, planned)
+
+    def commit_graph(self, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: PassContext,
+                     planned: liveness.Liveness):
+        """The commit step: what compiling decided becomes runtime state, and the graph becomes a function.
+        Every rank reaches it at the same point (process groups and whole-parameter gathers are collective)."""
+        zps = list(self.params.values())
+        with _disable_current_modes():  # real buffers and collectives, not AOTAutograd's fake tracing mode
+            shard_store.make_persistent(zps)
+            for zp in zps:
+                zp.attach_master()
+            made = {g.name: groups.realize(self.ctx, g, self.cfg.collective_timeout_s).name for g in pctx.subgroups}
+        collectives.rename_groups(gm, made)
+        compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
+        side = list(pctx.side_inputs)
+        sched = collectives.schedule(gm)
+        reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]
+        read_ahead = reads if self.cfg.offload.overlap else []
+
+        check = self.run_check(kind)
+        watch_loss = kind == "forward" and self.cfg.nonfinite != "off"
+        whole = [zp for zp in zps if zp.keeps_full] if kind != "backward" else []
+
+        def run_graph(args):
+            stale = [zp for zp in whole if zp.stale()]
+            if check is not None:
+                check(bool(stale))
+            if stale:
+                shard_store.gather_full(stale)
+            collective_traffic.count(sched)
+            if reads:
+                offload_engine.start_reads(read_ahead)
+            if side:
+                args = list(args)
+                args.extend(s.value() for s in side)
+            if memory_trace.RUNS is not None:
+                out = memory_trace.run_measured(compiled, args, self.graph_id, kind, planned)
+            else:
+                out = compiled(args)
+            if watch_loss:
+                nonfinite.note_forward(zps, out[:self.num_fwd_outputs or len(out)])
+            return out
+
+        run_graph._boxed_call = True
+        return run_graph
+
+
+def _on_tier(node: fx.Node, example: torch.Tensor) -> torch.Tensor:
+    """A saved activation the forward offloaded arrives on the host, in the layout the compiled forward produced."""
+    if node.meta.get("zc_tier") != "cpu" or example.device.type == "cpu":
+        return example
+    with detect_fake_mode([example]) or _disable_current_modes():
+        return torch.empty_strided(example.shape, example.stride(), dtype=example.dtype, device="cpu")
+
+
+def _dry_runner(gm: fx.GraphModule):
+    """A dry compile's graph function: meta tensors shaped like the graph's outputs, nothing computed."""
+    (outs,) = gm.graph.output_node().args
+    vals = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in outs]
+
+    def run(args):
+        return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                if isinstance(v, torch.Tensor) else v for v in vals]
+
+    run._boxed_call = True
+    return run
+
+
+_COMPILED: weakref.WeakSet = weakref.WeakSet()  # registry: committed graphs still in use (planned_step_peak)
+
+
+def planned_step_peak() -> int:
+    """The largest planned per-rank step peak (device bytes) of the graphs compiled so far in this process:
+    resident gradients and optimizer state plus a graph's inputs and transients (planner.step_peak)."""
+    peaks = [planner.step_peak(planner.model_state(list(job.params.values())), job.planned)
+             for job in _COMPILED if job.planned]
+    return max(peaks, default=0)
+
+
+def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """The `zero` backend for torch.compile."""
+    try:
+        return _compile(gm, example_inputs, options, **kwargs)
+    except ZeroError:
+        raise
+    except Exception as e:
+        # dynamo turns some exception types into a graph break that runs eager code; re-raise as our own type.
+        raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e
+
+
+_FROZEN: dict[int, tuple[object, zconfig.Config]] = {}  # cache: id(options) -> (options, its Config)
+
+
+def frozen_config(options: dict | None) -> zconfig.Config:
+    """The config of one torch.compile call, read and validated at its first graph and reused by every recompile:
+    torch.compile passes the same `options` object each time, so editing or deleting the YAML mid-run changes
+    nothing. The options object is held so its id stays unique."""
+    if options is None:
+        return zconfig.from_options(None)
+    hit = _FROZEN.get(id(options))
+    if hit is None or hit[0] is not options:
+        hit = _FROZEN[id(options)] = (options, zconfig.from_options(options))
+    return hit[1]
+
+
+def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    if kwargs:
+        raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
+    cfg = frozen_config(options)
+    ctx = DistContext.current()
+    set_group_timeout(ctx, cfg.collective_timeout_s)
+    if cfg.stage >= 1:
+        _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
+    job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=True)
+    _COMPILED.add(job)
+    for zp in job.params.values():
+        zp.nonfinite = cfg.nonfinite
+        zp.release_full()
+    return run
+
+
+def dry_backend(cfg: zconfig.Config, ctx: DistContext, jobs: list):
+    """A dynamo backend that compiles for `ctx` (DistContext.without_group) without committing: every graph's
+    passes, planner and analysis run, nothing is allocated or communicated, each graph's `_GraphCompile` is
+    appended to `jobs`, and running the result returns meta tensors. For zcompile plan (use schedule_check=False:
+    there is no group to agree over)."""
+    def backend(gm: fx.GraphModule, example_inputs):
+        job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=False)
+        jobs.append(job)
+        return run
+    return backend
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx: DistContext, commit: bool):
+    """One dynamo graph through the passes and AOTAutograd: (its _GraphCompile, the function dynamo calls)."""
+    example_inputs = list(example_inputs)
+    example_inputs, dparams, dropped = dtensor_params.unwrap_graph(gm, example_inputs)
+    is_param = [isinstance(x, nn.Parameter) or i in dparams for i, x in enumerate(example_inputs)]
+    identity = schedule_check.graph_identity(gm, example_inputs, is_param, cfg)
+    inputs_text = _inputs_text(example_inputs, is_param)
+    if cfg.schedule_check:  # before anything here communicates: a rank compiling alone meets the others' checks
+        schedule_check.exchange(ctx, schedule_check.record(schedule_check.COMPILE, identity,
+                                                           f"a new graph for {inputs_text}"), cfg.collective_timeout_s)
+    params = {i: shard_store.register_for(cfg, ctx, x, attach=commit) for i, x in enumerate(example_inputs)
+              if isinstance(x, nn.Parameter) and i not in dparams}
+    for i, zp in dparams.items():
+        if zp.stage != cfg.stage or zp.world != ctx.world:
+            raise ZCompileError(f"parameter {list(zp.shape)} is sharded for stage {zp.stage} over {zp.world} ranks; "
+                                f"this compile asks for stage {cfg.stage} over {ctx.world}: use one config per model")
+        params[i] = zp
+    params = dict(sorted(params.items()))
+    job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text, commit)
+    job.dump("dynamo", "input", gm)
+    gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
+
+    compiled = aot_autograd(
+        fw_compiler=functools.partial(_boxed, job, "forward"),
+        bw_compiler=functools.partial(_boxed, job, "backward"),
+        inference_compiler=functools.partial(_boxed, job, "inference"),
+        partition_fn=job.partition,
+        decompositions=select_decomp_table(),
+    )(gm, example_inputs)
+
+    skip, kept = set(dropped), len(example_inputs)
+
+    def run(*args):
+        # dynamo passes the meshes of DTensor parameters as graph inputs on some versions, not on others
+        args = [a for k, a in enumerate(args) if k not in skip] if len(args) > kept else list(args)
+        for i, zp in params.items():
+            args[i] = zp.graph_input(args[i])
+        return compiled(*args)
+
+    run.zc_job = job
+    return job, run
+
+
+class _ParametersSharded(torch._dynamo.exc.RestartAnalysis, ZeroError):
+    """Raised by the first compile that meets plain parameters: they are now DTensors, so dynamo traces again."""
+
+    def __init__(self, count: int):
+        self.restart_reason = f"zcompile replaced {count} parameters by DTensor shards"
+        ZeroError.__init__(self, self.restart_reason)
+
+
+def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx: DistContext) -> None:
+    """Shard every parameter of the modules this graph reads parameters from, replacing them by DTensors in the
+    modules (dtensor_params), then restart dynamo's analysis of the frame so it traces the DTensors. Parameters that
+    stay plain (0-d, tiled, NVMe) are registered when their graph compiles, as stand-ins."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    plain = [(ph, x) for ph, x in zip(phs, example_inputs)
+             if isinstance(x, nn.Parameter) and not isinstance(x, dtensor_params.DTensor)]
+    if not plain:
+        return
+    roots = {}
+    for ph, x in plain:
+        zp = shard_store.register_for(cfg, ctx, x)
+        if zp.dtensor is not None or not dtensor_params.eligible(zp):
+            continue
+        root = _root_module(ph)
+        if root is None:
+            raise ZCompileError(f"cannot find the module that holds parameter {ph.name} (dynamo source "
+                                f"{_source_name(ph)}): compile the model (torch.compile(model, ...)) or a function "
+                                "that calls it")
+        roots[id(root)] = root
+    count = sum(dtensor_params.shard_module(root, functools.partial(shard_store.register_for, cfg, ctx), ctx,
+                                            cfg.collective_timeout_s) for root in roots.values())
+    if count:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        if tx is not None and hasattr(tx, "speculation_log"):
+            tx.speculation_log.clear()  # the new trace takes other paths (the parameters' properties)
+        raise _ParametersSharded(count)
+
+
+def _source_name(ph: fx.Node) -> str:
+    grapharg = ph.meta.get("grapharg")
+    if grapharg is None:
+        return "?"
+    name = grapharg.source.name
+    return name() if callable(name) else name
+
+
+def _root_module(ph: fx.Node) -> nn.Module | None:
+    """The outermost module on the dynamo source path of a parameter placeholder (L['self'], G['model'], ...)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    grapharg = ph.meta.get("grapharg")
+    tx = InstructionTranslator.current_tx()
+    if grapharg is None or tx is None:
+        return None
+    source, chain = grapharg.source, []
+    while source is not None:
+        chain.append(source)
+        source = getattr(source, "base", None)
+    scope = {"L": tx.f_locals, "G": tx.f_globals}
+    for src in reversed(chain):  # outermost first
+        name = src.name() if callable(src.name) else src.name
+        try:
+            obj = eval(name, {}, scope)  # a dynamo source name is an expression over L and G
+        except Exception:
+            continue
+        if isinstance(obj, nn.Module):
+            return obj
+    return None
+
+
+def _inputs_text(example_inputs, is_param: list[bool]) -> str:
+    """The non-parameter inputs, briefly: 'inputs 2x16 int64, 2x16 int64'."""
+    shown = ["x".join(map(str, x.shape)) + " " + str(x.dtype).removeprefix("torch.")
+             for x, param in zip(example_inputs, is_param) if isinstance(x, torch.Tensor) and not param]
+    return "inputs " + (", ".join(shown[:6]) + (", ..." if len(shown) > 6 else "") if shown else "none")
+
+
+def _boxed(job: _GraphCompile, kind: str, gm: fx.GraphModule, example_inputs):
+    return job.compiler(kind, gm, example_inputs)

@@ -1,0 +1,17 @@
+"""Graph compilers for the transformed forward/backward graphs: `eager` (the FX code as-is) or `inductor`."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+
+def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str) -> Callable:
+    """Compile `gm`; the result takes a list of inputs (boxed calling convention) and returns a list/tuple."""
+    if name == "eager":
+        from zcompile.compiler.backends.eager import compile_eager
+        return compile_eager(gm, example_inputs, kind)
+    if name == "inductor":
+        from zcompile.compiler.backends.inductor import compile_inductor
+        return compile_inductor(gm, example_inputs, kind)
+    raise ValueError(f"unknown graph backend {name!r}; expected 'eager' or 'inductor'")

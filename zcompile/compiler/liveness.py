@@ -1,0 +1,140 @@
+"""Alias-aware liveness over an FX graph: the bytes of intermediate tensors alive after every node, and the peak.
+
+Tensors are tracked by storage (views share their base's storage, so they cost nothing extra); a storage is
+allocated by the first node that produces it and freed after the last node that reads any tensor on it, or, for a
+collective's input, after the collective's wait. Graph inputs are counted apart (they are held by the caller);
+graph outputs live past the end. Tensors in host memory (offload: nodes and placeholders marked `zc_tier`) are not
+device memory and are not counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from zcompile.compiler import collectives
+
+
+def fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@dataclasses.dataclass
+class Liveness:
+    live_after: list[tuple[str, int]]   # (node name, transient bytes alive after it)
+    peak_bytes: int
+    peak_node: str
+    input_bytes: int
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    n = t.untyped_storage().nbytes()
+    if isinstance(n, torch.SymInt):
+        n = n.node.hint if n.node.has_hint() else 0
+    return int(n)
+
+
+def _alias_source(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s output is, by the op's schema (`Tensor(a!) out -> Tensor(a!)`, views);
+    fake propagation of out= collectives returns a fresh tensor, which would count the buffer twice."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target is torch.ops._c10d_functional.wait_tensor.default:
+        return node.args[0]
+    returns = node.target._schema.returns
+    if len(returns) != 1 or returns[0].alias_info is None:
+        return None
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set & returns[0].alias_info.before_set:
+            src = node.kwargs.get(arg.name) if arg.name in node.kwargs else (node.args[i] if i < len(node.args) else None)
+            return src if isinstance(src, fx.Node) else None
+    return None
+
+
+def _input_held_until_wait(node: fx.Node) -> bool:
+    """Whether the communication library keeps a collective's input alive until its wait: all-gathers do; NCCL's
+    reduce-scatter does; all-to-alls are assumed to (not measured); gloo's reduce-scatter copies its input when
+    issued (measured: planned == measured with this rule, tests/test_planner.py); a functional all-reduce works on
+    its own copy, the input is free at issue."""
+    rec = collectives.record(node)
+    op = rec.op if rec is not None else None
+    if op in ("all_gather", "all_to_all"):
+        return True
+    if op == "reduce_scatter":
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        return val is None or val.device.type != "cpu"
+    return False
+
+
+def analyze(gm: fx.GraphModule) -> Liveness:
+    nodes = list(gm.graph.nodes)
+    storages_of: dict[fx.Node, list] = {}
+    size: dict = {}
+    inputs: set = set()
+    host: set = set()
+    for n in nodes:
+        if n.op == "output":  # allocates nothing; its value repeats its inputs' (as fresh fake tensors)
+            storages_of[n] = []
+            continue
+        src = _alias_source(n)
+        if src is not None and storages_of.get(src):
+            storages_of[n] = storages_of[src]
+            continue
+        keys = []
+        for t in _tensors(n.meta.get("val")):
+            key = StorageWeakRef(t.untyped_storage())
+            size.setdefault(key, _nbytes(t))
+            keys.append(key)
+            if n.meta.get("zc_tier") in ("cpu", "nvme"):
+                host.add(key)
+            elif n.op == "placeholder":
+                inputs.add(key)
+        storages_of[n] = keys
+    last_use: dict = {}
+    for k, n in enumerate(nodes):
+        for key in storages_of[n]:
+            last_use[key] = max(last_use.get(key, k), k)
+        for a in n.all_input_nodes:
+            for key in storages_of.get(a, []):
+                last_use[key] = k
+    position = {n: k for k, n in enumerate(nodes)}
+    for n in nodes:
+        if _input_held_until_wait(n):
+            waits = [position[w] for w in collectives.waits_of(n)]
+            for a in n.all_input_nodes:
+                for key in storages_of.get(a, []):
+                    last_use[key] = max([last_use.get(key, 0)] + waits)
+    for a in gm.graph.output_node().all_input_nodes:
+        for key in storages_of.get(a, []):
+            last_use[key] = len(nodes)
+    live, allocated, peak, peak_node, trace = 0, set(), 0, "", []
+    frees: dict[int, list] = {}
+    for key, k in last_use.items():
+        frees.setdefault(k, []).append(key)
+    for k, n in enumerate(nodes):
+        for key in storages_of[n]:
+            if key not in allocated and key not in inputs and key not in host:
+                allocated.add(key)
+                live += size[key]
+        if live > peak:
+            peak, peak_node = live, n.name
+        for key in frees.get(k, []):
+            if key in allocated:
+                live -= size[key]
+                allocated.discard(key)
+        trace.append((n.name, live))
+    return Liveness(trace, peak, peak_node, sum(size[k] for k in inputs))

@@ -1,0 +1,49 @@
+"""Graph passes, one per file. Each is `run(gm, pctx) -> gm` over one phase of the compile; what it needs and gives
+is its contract in `zcompile.compiler.pass_contracts` (checked when the config is read, and after each pass here).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+from zcompile.compiler import collectives
+from zcompile.compiler.pass_contracts import CONTRACTS, written_fields
+from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_params, prefetch,
+                             quantize_gradients, quantize_weights, reduce_grads, secondary_partition, shard_params,
+                             tag_param_recompute, tile_linears)
+
+PASSES: dict[str, Callable] = {m.__name__.rsplit(".", 1)[1]: m.run for m in (
+    mixed_precision, tile_linears, tag_param_recompute, shard_params, offload_params, secondary_partition,
+    quantize_weights, reduce_grads, bucket_collectives, quantize_gradients, offload_activations, prefetch)}
+assert PASSES.keys() == CONTRACTS.keys(), "every pass has a contract and every contract a pass"
+
+
+def check_records(gm: fx.GraphModule, allowed: frozenset, after: str) -> None:
+    """Every collective record sets only the fields the passes run so far declare writing (their contracts)."""
+    for n in gm.graph.nodes:
+        rec = collectives.record(n)
+        if rec is not None:
+            extra = rec.extra_fields() - allowed
+            if extra:
+                raise AssertionError(f"after pass '{after}': collective {n.name} carries field(s) {sorted(extra)} "
+                                     "that no pass run so far declares in its contract's `writes`")
+
+
+def run_phase(phase: str, gm: fx.GraphModule, pctx,
+              on_pass: Callable[[str, fx.GraphModule], None] | None = None) -> fx.GraphModule:
+    """Run the pipeline's passes of one phase in order; on_pass(name, gm) sees the graph after each (for dumps).
+    The Python code is regenerated once at the end (after each pass only for on_pass): on a deep model each
+    regeneration takes about a second."""
+    names = pctx.cfg.passes
+    for k, name in enumerate(names):
+        if CONTRACTS[name].phase != phase:
+            continue
+        gm = PASSES[name](gm, pctx)
+        gm.graph.lint()
+        check_records(gm, written_fields(names[:k + 1]), name)
+        if on_pass is not None:
+            gm.recompile()
+            on_pass(name, gm)
+    gm.recompile()
+    return gm

@@ -1,0 +1,55 @@
+"""mixed_precision: cast parameters and floating user inputs to the compute dtype, outputs back.
+
+Inserts `.to(param_dtype)` after each parameter and floating user-input placeholder of the dynamo graph and
+`.to(original dtype)` before each floating output, so AOTAutograd traces bf16 compute whose gradients flow back to
+the fp32 master parameters through the casts. Buffers are left in their own dtype (as FSDP does). This is the same
+policy as running the model after `.to(bf16)` with fp32 master weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from zcompile.compiler.passes import placement
+
+
+def _is_user_input(node: fx.Node) -> bool:
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    name = node.name if source is None else source.name
+    if callable(name):  # a method up to torch 2.12, a property from 2.13
+        name = name()
+    return "_buffers" not in name and "_parameters" not in name
+
+
+def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
+    dtype = pctx.cfg.mixed_precision.param_dtype
+    if dtype == torch.float32:
+        return gm
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    order = {n: k for k, n in enumerate(graph.nodes)}  # users are original nodes: the casts added keep it valid
+    for i, ph in enumerate(placeholders):
+        val = ph.meta.get("example_value", ph.meta.get("val"))
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == dtype:
+            continue
+        if i not in pctx.params and not _is_user_input(ph):
+            continue
+        users = list(ph.users)
+        if not users:
+            continue
+        # at the first use, not at the top: shard_params gathers a parameter where its cast is, and every cast at
+        # the top would gather the whole model before the first layer runs
+        cast = placement.at_first_use(graph, ph, users, order, lambda: graph.call_method("to", (ph, dtype)))
+        cast.meta["zc_note"] = f"mixed_precision: compute in {dtype}"
+    out = graph.output_node()
+    outs = out.args[0]
+    new_outs = []
+    for o in (outs if isinstance(outs, (tuple, list)) else (outs,)):
+        val = o.meta.get("example_value") if isinstance(o, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and o.op != "placeholder":
+            with graph.inserting_before(out):
+                o = graph.call_method("to", (o, val.dtype))
+        new_outs.append(o)
+    out.args = (type(outs)(new_outs) if isinstance(outs, (tuple, list)) else new_outs[0],)
+    return gm

@@ -1,0 +1,120 @@
+"""quantize_gradients (ZeRO++ qgZ): every gradient reduce-scatter becomes a hierarchical, int4 all-to-all reduction.
+
+For a world of K nodes x G ranks (rank n*G + l) and a reduce-scatter of [world * S] (one gradient or a bucket):
+1. slice reordering: view as [K, G, S] (destination node, local rank, shard) and transpose to [G, K, S], so the
+   slices for local rank l of every node are contiguous; each parameter's segment of a shard is quantized in its
+   own blocks (kernels.quantize.fit_blocks), so a small-gradient parameter is not rounded on a neighbour's scale;
+2. intra-node all-to-all of int4 blocks (+ fp32 scales): local rank l receives, from each of its node's G ranks,
+   the K slices destined to local rank l of every node;
+3. dequantize + sum over the G senders (zcompile.dequantize_sum_int4, fp32): the node's partial sums;
+4. inter-node all-to-all (the K ranks with local rank l) of the int4-quantized partial sums;
+5. dequantize + final sum over the K nodes in fp32: this rank's shard, cast to the reduce dtype.
+Only step 4 crosses nodes: int4 partial sums, 1/G of the gradient per rank. One node (K=1) skips step 4; one rank
+per node (G=1) skips steps 2-3. Step 2 is issued where the reduce-scatter was; steps 3-5 run where it was waited on.
+Gradients were already scaled by 1/world (reduce_grads), so the sums are the average.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from zcompile.compiler import collectives
+from zcompile.runtime import groups
+from zcompile.kernels import quantize as _ops  # noqa: F401  (registers torch.ops.zcompile.*)
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+zc = torch.ops.zcompile
+
+
+def _exchange(graph: fx.Graph, segments: list[fx.Node], rows: int, blocking: list[tuple[int, int, int]],
+              width: int, group, why: str) -> fx.Node:
+    """Quantize each segment ([rows, width * padded_i], row j for group rank j) to int4 in its own blocks, pack the
+    values and fp32 scales of every segment into one uint8 row per destination, all-to-all it; returns the wait."""
+    parts = []
+    for seg, (block, nb, padded) in zip(segments, blocking):
+        qs = graph.call_function(zc.quantize_int4.default, (seg, block))
+        packed = graph.call_function(operator.getitem, (qs, 0))
+        parts.append(graph.call_function(aten.view.default, (packed, [rows, width * padded // 2])))
+        scales = graph.call_function(aten.view.dtype, (graph.call_function(operator.getitem, (qs, 1)), torch.uint8))
+        parts.append(graph.call_function(aten.view.default, (scales, [rows, 4 * width * nb])))
+    payload = graph.call_function(aten.cat.default, (parts, 1))
+    row = _row_bytes(blocking, width)
+    flat = graph.call_function(aten.view.default, (payload, [rows * row]))
+    return collectives.all_to_all(graph, flat, rows * row, torch.uint8, group, why)
+
+
+def _row_bytes(blocking: list[tuple[int, int, int]], width: int) -> int:
+    return sum(width * padded // 2 + 4 * width * nb for _, nb, padded in blocking)
+
+
+def _sum(graph: fx.Graph, wait: fx.Node, rows: int, blocking: list[tuple[int, int, int]], width: int) -> list[fx.Node]:
+    """Dequantize the received rows and sum them in fp32, per segment: [width * padded_i] each."""
+    recv = graph.call_function(aten.view.default, (wait, [rows, _row_bytes(blocking, width)]))
+    out, offset = [], 0
+    for block, nb, padded in blocking:
+        cols = []
+        for n in (width * padded // 2, 4 * width * nb):
+            part = graph.call_function(aten.slice.Tensor, (recv, 1, offset, offset + n))
+            cols.append(graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format}))
+            offset += n
+        scales = graph.call_function(aten.view.dtype, (cols[1], torch.float32))
+        out.append(graph.call_function(zc.dequantize_sum_int4.default, (cols[0], scales, block, width * padded)))
+    return out
+
+
+def _hierarchical(graph: fx.Graph, rs: fx.Node, block: int, intra, inter) -> None:
+    comm = collectives.record(rs)
+    flat, world = rs.args[0], rs.args[2]
+    nodes, local = inter.size, intra.size
+    assert nodes * local == world, (nodes, local, world)
+    s = comm.numel // world
+    members = comm.members or [s]  # a bucket's per-rank segments: each is quantized in its own blocks
+    blocking = [_ops.fit_blocks(m, block, even=True) for m in members]
+    what = comm.why.split(": ", 1)[-1]
+    wait = collectives.wait_of(rs)
+    with graph.inserting_before(rs):
+        x = graph.call_function(aten.view.default, (flat, [nodes, local, s]))
+        x = graph.call_function(aten.permute.default, (x, [1, 0, 2]))  # [local rank, node, shard]
+        segments, offset = [], 0
+        for m, (_, _, padded) in zip(members, blocking):
+            seg = graph.call_function(aten.slice.Tensor, (x, 2, offset, offset + m))
+            seg = graph.call_function(aten.constant_pad_nd.default, (seg, [0, padded - m], 0.0))
+            seg = graph.call_function(aten.clone.default, (seg,), {"memory_format": torch.contiguous_format})
+            segments.append(graph.call_function(aten.view.default, (seg, [local * nodes * padded])))
+            offset += m
+        if local > 1:
+            first = _exchange(graph, segments, local, blocking, nodes, intra,
+                              f"backward: qgZ intra-node all-to-all (int4) of {what}")
+    with graph.inserting_before(wait):
+        partial = _sum(graph, first, local, blocking, nodes) if local > 1 else segments
+        if nodes > 1:
+            second = _exchange(graph, partial, nodes, blocking, 1, inter,
+                               f"backward: qgZ inter-node all-to-all (int4 partial sums) of {what}")
+            partial = _sum(graph, second, nodes, blocking, 1)
+        shards = [graph.call_function(aten.slice.Tensor, (p, 0, 0, m)) for p, m in zip(partial, members)]
+        shard = graph.call_function(aten.cat.default, (shards,)) if len(shards) > 1 else shards[0]
+        shard = graph.call_function(prims.convert_element_type.default, (shard, comm.dtype))
+    shard.meta["zc_note"] = "qgZ: this rank's reduced gradient shard"
+    wait.replace_all_uses_with(shard)
+    graph.erase_node(wait)
+    graph.erase_node(rs)
+
+
+def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
+    qcfg = pctx.cfg.quantize_gradients
+    if qcfg is None or pctx.kind != "backward":
+        return gm
+    local = pctx.topology.ranks_per_node
+    intra = pctx.subgroup(groups.blocks(pctx.dist, local))
+    inter = pctx.subgroup(groups.strided(pctx.dist, local))
+    reductions = [n for n in gm.graph.nodes if collectives.is_op(n, "reduce_scatter")]
+    for rs in reductions:
+        _hierarchical(gm.graph, rs, qcfg.block, intra, inter)
+    if reductions:
+        gm.meta.setdefault("zc_notes", []).append(
+            f"quantize_gradients: {len(reductions)} reduce-scatter(s) as int4 all-to-alls in blocks of {qcfg.block}, "
+            f"{pctx.topology.nodes} node(s) x {local} (qgZ)")
+    return gm

@@ -1,0 +1,203 @@
+"""The user's module keeps DTensor parameters: each is `Shard(0)` over the world's 1-D mesh, and its local tensor is
+a view of the storage the compiled graphs read (shard_store.ShardedParam), so the module is the single source of
+truth, as with FSDP2: any torch.optim optimizer steps it, `model.zero_grad()`, `requires_grad_`, `p.norm()`,
+`clip_grad_norm_`, `state_dict()` and torch.distributed.checkpoint work on it unchanged.
+
+[Note: how a DTensor parameter enters a graph]
+A module holding one gets a subclass whose attribute for the parameter is a property (SimpleFSDP's trick): outside a
+forward it returns the DTensor; inside a forward it returns the whole parameter,
+`p.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])`. Eagerly (an eval forward,
+`model.generate`) that really all-gathers, and the backward reduce-scatters into `p.grad`. Under dynamo the same code
+leaves `placeholder(DTensor) -> redistribute -> to_local` in the graph; `unwrap_graph` collapses each chain into
+one plain placeholder of the parameter's full shape, so the passes see what they always saw, and the backend feeds
+that placeholder with the shard (`graph_input`), whose gradient `_GradToParam` hands back to `p.grad`.
+Dynamo guards on the DTensor itself, so `requires_grad_` toggled between steps recompiles as it should.
+
+Not DTensors (they stay plain, storage-free stand-ins as before): 0-d parameters, row-tiled parameters
+(tile_linears: their rows per rank are not torch.chunk sizes) and parameters offloaded to NVMe.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from zcompile.runtime import dist_context, shard_store
+from zcompile.errors import ZCompileError
+
+_MESHES: dict = {}  # cache: (group name, device type) -> DeviceMesh over that group
+_CLASSES: dict = {}  # cache: (module class, parameter names) -> its subclass with parameter properties
+_forward = threading.local()  # depth of eager forwards of modules holding DTensor parameters
+
+
+def eligible(zp: shard_store.ShardedParam) -> bool:
+    return zp.stage >= 1 and len(zp.shape) >= 1 and not zp.row_multiple and zp.param_tier != "nvme"
+
+
+def mesh_for(zp: shard_store.ShardedParam, ctx: dist_context.DistContext, timeout_s: float) -> DeviceMesh:
+    """The world's mesh on the device the shard lives on (a host-offloaded shard under NCCL: the gloo twin)."""
+    device = zp.local_rows().device
+    group = zp.group if device.type == ctx.device.type else dist_context.host_group(ctx, timeout_s)
+    key = (group.group_name, device.type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device.type)
+    return _MESHES[key]
+
+
+def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout_s: float) -> nn.Parameter:
+    """The DTensor parameter whose local tensor is this rank's rows of zp's storage."""
+    param = nn.Parameter(zp.as_dtensor(zp.local_rows(), mesh_for(zp, ctx, timeout_s)), requires_grad=requires_grad)
+    param._zc = zp
+    zp.dtensor = param
+    retire(zp)
+    zp.seen_version = zp.versions()
+    return param
+
+
+def retire(zp: shard_store.ShardedParam) -> None:
+    """The plain parameter the DTensor replaces keeps its shape over a single NaN: a reference the user took before
+    the swap reads NaN and cannot be written (instead of reading freed or stale storage); toggling its requires_grad
+    fails at the next run (graph_input). An optimizer built before the swap is pointed at the DTensor
+    (shard_store.adopt_optimizer)."""
+    old = zp.standin = zp.param  # keep it alive: the optimizer may not hold it any more
+    zp.standin_device = old.device
+    zp.standin_grad = old.requires_grad
+    with torch.no_grad():  # one NaN seen through every index: reads give NaN, writes fail (overlapping memory)
+        old.data = torch.full((1,), float("nan"), dtype=old.dtype, device=old.device).expand(old.shape)
+
+
+# -- the module side: swap parameters, properties, eager forwards
+
+def shard_parameters(model: nn.Module, config) -> nn.Module:
+    """Replace the model's parameters by their DTensor shards now, as its first compiled forward would (like FSDP2's
+    fully_shard): references taken afterwards (optimizers, freezing lists, EMA copies) are the parameters. `config`:
+    the same path or mapping given to torch.compile. Returns the model."""
+    from functools import partial
+
+    from zcompile import config as zconfig
+    cfg = zconfig.from_options({"config": config})
+    ctx = dist_context.DistContext.current()
+    if cfg.stage >= 1:
+        shard_module(getattr(model, "_orig_mod", model), partial(shard_store.register_for, cfg, ctx), ctx,
+                     cfg.collective_timeout_s)
+    return model
+
+
+def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
+    """Replace every eligible parameter of `root` (and its submodules, tied ones once) by its DTensor; `register`
+    maps a plain parameter to its ShardedParam. Returns how many were replaced."""
+    done: dict[int, nn.Parameter] = {}
+    for module in root.modules():
+        names = []
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            if id(p) not in done:
+                zp = register(p)
+                if not eligible(zp):
+                    continue
+                done[id(p)] = zp.dtensor if zp.dtensor is not None else make_dtensor(zp, p.requires_grad, ctx, timeout_s)
+                p._zc_dtensor = done[id(p)]  # an optimizer built before this still holds p: adopt_optimizer maps it
+            module._parameters[name] = done[id(p)]
+            names.append(name)
+        if names:
+            _with_properties(module, names)
+    return len(done)
+
+
+def _with_properties(module: nn.Module, names: list[str]) -> None:
+    cls = type(module)
+    have = getattr(cls, "_zc_param_names", frozenset())
+    want = have | frozenset(names)
+    if want == have:
+        return
+    base = cls.__bases__[0] if have else cls
+    key = (base, want)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(base.__name__, (base,), {**{n: property(_getter(n)) for n in want},
+                                                      "_zc_param_names": want, "__module__": base.__module__})
+    module.__class__ = _CLASSES[key]
+    if not have:
+        module.register_forward_pre_hook(_enter_forward)
+        module.register_forward_hook(_leave_forward, always_call=True)
+
+
+def _getter(name: str):
+    def get(self):
+        p = self._parameters[name]
+        if not isinstance(p, DTensor) or not (torch.compiler.is_compiling() or getattr(_forward, "depth", 0)):
+            return p
+        full = p.redistribute(p.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        if not torch.compiler.is_compiling():  # eager: the reduce-scatter sums; average like the compiled graphs
+            full = _MeanGrad.apply(full, p.device_mesh.size())
+        return full
+    return get
+
+
+def _enter_forward(module, args):
+    if not torch.compiler.is_compiling():
+        _forward.depth = getattr(_forward, "depth", 0) + 1
+
+
+def _leave_forward(module, args, output):
+    if not torch.compiler.is_compiling():
+        _forward.depth -= 1
+
+
+class _MeanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, world):
+        ctx.world = world
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.world, None
+
+
+# -- the graph side
+
+def _calls(node: torch.fx.Node, method: str) -> bool:
+    """`node` calls DTensor.<method>: a call_method node (torch 2.13), or dynamo's `prim_<method>` closure (2.11)."""
+    return node.target == method or getattr(node.target, "__name__", None) == f"prim_{method}"
+
+
+def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, dict, list[int]]:
+    """Collapse `placeholder(DTensor) -> redistribute -> to_local` into a plain full-shape placeholder.
+
+    Returns (example inputs for AOTAutograd, {input index: ShardedParam}, indices of dropped inputs: the meshes)."""
+    from torch._guards import detect_fake_mode
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode()
+    inputs, params = list(example_inputs), {}
+    for k, (ph, x) in enumerate(zip(phs, example_inputs)):
+        zp = shard_store.owner(x) if isinstance(x, DTensor) else None
+        if zp is None:
+            continue
+        for use in list(ph.users):
+            if not _calls(use, "redistribute") or not all(_calls(u, "to_local") for u in use.users):
+                raise ZCompileError(
+                    f"parameter {ph.name} of shape {list(zp.shape)} is used as a DTensor inside the compiled region "
+                    f"({use.format_node()}); read it as a module attribute (self.<name>) there, which gives the "
+                    "whole tensor, or call it outside the compiled model")
+            for to_local in list(use.users):
+                to_local.replace_all_uses_with(ph)
+                gm.graph.erase_node(to_local)
+            gm.graph.erase_node(use)
+        with fake_mode:
+            fake = torch.empty(zp.shape, dtype=zp.dtype, device=zp.standin_device, requires_grad=x.requires_grad)
+        ph.meta["example_value"] = fake
+        inputs[k] = fake
+        params[k] = zp
+    dropped = [k for k, (ph, x) in enumerate(zip(phs, example_inputs)) if isinstance(x, DeviceMesh) and not ph.users]
+    for k in dropped:
+        gm.graph.erase_node(phs[k])
+    if params:
+        gm.graph.lint()
+        gm.recompile()
+    drop = set(dropped)
+    kept = [k for k in range(len(inputs)) if k not in drop]  # old index of each kept input
+    return [inputs[k] for k in kept], {new: params[k] for new, k in enumerate(kept) if k in params}, dropped

@@ -1,0 +1,547 @@
+"""Runtime home of parameter shards.
+
+Each parameter is flattened and zero-padded to world*s elements; rank r owns elements [r*s, (r+1)*s).
+
+- stage 0/1: the parameter keeps its full data (inside a padded flat buffer) and is itself the graph input.
+  Stage 1 lets the optimizer see only the local slice of data and gradient during `step`, then all-gathers.
+- stage 2/3: the optimizer steps `shard`, an fp32 leaf of s elements that is the graph input and receives the
+  reduce-scattered gradient. Stage 2 also keeps the full parameter (`full`, with `shard` a view of this rank's
+  slice), refreshed by an all-gather after each step; stage 3 does not, except for parameters the planner keeps
+  whole (`persistent`, see planner.choose_persistent), which then behave exactly like stage 2 parameters.
+
+Shards are dim-0 chunks (DTensor `Shard(0)` sizes). At stages 1-3 the module's parameter becomes a DTensor whose
+local tensor is a view of this storage (dtensor_params); the plain parameter it replaced is kept as a stand-in.
+Parameters that cannot be DTensors (0-d, tiled, NVMe) stay plain: stages 1/2 re-point them at a view of the padded
+full buffer; stage 3 frees their storage with `untyped_storage().resize_(0)` once the graph is compiled.
+
+Global optimizer step hooks re-point optimizers built before the swap, run the `nonfinite` check, move gradients to
+host masters (optimizer offload) and give stage-1 plain parameters their slice while stepping. Whole-parameter
+copies (stages 1/2, persistent stage 3) are refreshed lazily by the next graph run that reads them (refresh_stale).
+
+Offload (ZeRO-Infinity, `offload:` in the config) gives each parameter tiers:
+- `param_tier` "cpu": the stage-3 shard lives in host memory and is the graph input; the graph copies it to the
+  device right before its all-gather (pass offload_params). "nvme": the shard lives in a file, its tensor keeps
+  shape but no storage, and the graph reads the file (`zcompile::read_shard`); the storage is brought back only
+  while the optimizer steps it.
+- `optim_tier` "cpu"/"nvme": the optimizer steps a host fp32 `master` (the shard itself when the shard is already
+  on the host); before the step the device gradient moves to the master, after it the master is copied back.
+  With "nvme", zcompile.CPUAdam keeps its moments in files.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from zcompile.runtime import collective_traffic, nonfinite, offload_engine
+from zcompile.runtime.dist_context import DistContext, all_gather_flat
+from zcompile.errors import ZeroError
+
+_keys = itertools.count()
+
+
+class ShardedParam:
+    def __init__(self, param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0,
+                 attach: bool = True):
+        """`attach`: give the shard its tiers (host memory, an NVMe file, a host master); a compile that is not
+        committed (zcompile plan) only lays the shard out, on the parameter's device."""
+        if not param.is_floating_point():
+            raise TypeError(f"zcompile shards floating-point parameters only, got {param.dtype}")
+        self.param_ref = weakref.ref(param)
+        self.stage, self.rank, self.world = stage, ctx.rank, ctx.world
+        self.group_name, self.group = ctx.group_name, ctx.group
+        self.cross_fraction = 0.0  # of a world all-gather's bytes, the share crossing nodes (set by the backend)
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.dtype = param.dtype
+        # Dim-0 sharding (DTensor's Shard(0), torch.chunk sizes): rank r owns rows [r*c, (r+1)*c) of ceil(d0/world)
+        # = c rows each, zero-padded; flattened, that is elements [r*s, (r+1)*s) with s = c * row size.
+        self.row_multiple = row_multiple if stage == 3 and param.dim() == 2 else 0
+        rows = math.ceil(self.shape[0] / self.world) if param.dim() else 1
+        if self.row_multiple:
+            # tile_linears: a multiple of `row_multiple` rows per rank, so a tile of every rank's shard is a set of
+            # whole rows of the weight (not torch.chunk sizes: such a parameter is not a DTensor)
+            rows = math.ceil(self.shape[0] / (self.world * row_multiple)) * row_multiple
+        self.row_numel = math.prod(self.shape[1:]) if param.dim() else 1
+        self.shard_numel = max(1, rows * self.row_numel)
+        self.key = next(_keys)
+        self.param_tier = _tier(offload.params if offload is not None and stage == 3 else "none")
+        self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= 2 else "none")
+        self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
+                     if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
+        self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
+        self.padded_numel = self.shard_numel * self.world
+        self.lo = min(self.rank * self.shard_numel, self.numel)
+        self.hi = min(self.lo + self.shard_numel, self.numel)
+        data = param.detach()
+        self.full: torch.Tensor | None = None
+        self.shard: nn.Parameter | None = None
+        if stage in (1, 2) and not param.is_contiguous():
+            raise ValueError(f"stage {stage} needs contiguous parameters; got one of shape {self.shape} with strides "
+                             f"{tuple(param.stride())}")
+        if stage in (1, 2):
+            self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=data.device)
+            self.full[: self.numel].copy_(data.reshape(-1))
+        if stage in (2, 3):
+            if stage == 2:
+                local = self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+            else:
+                where = "cpu" if self.param_tier != "device" and attach else data.device
+                local = torch.zeros(self.shard_numel, dtype=self.dtype, device=where)
+                local[: self.hi - self.lo].copy_(data.reshape(-1)[self.lo:self.hi])
+            self.shard = nn.Parameter(local, requires_grad=param.requires_grad)
+            self.shard._zc_owner = self  # lets checkpoints and clipping find the parameter a shard belongs to
+        if stage in (1, 2):
+            param.data = self.full_view()
+        self.secondary_numel = 0     # hpZ: elements of this rank's secondary partition (0: none)
+        self.secondary_dtype: torch.dtype | None = None
+        self._secondary: torch.Tensor | None = None
+        self.persistent = False      # stage 3 only: kept whole like a stage 2 parameter
+        self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
+        self._step_grad: torch.Tensor | None = None
+        self.dtensor: nn.Parameter | None = None  # the module's DTensor parameter (dtensor_params), if it has one
+        self.seen_version = self.versions()  # of the storage the full copy was last gathered from
+        self.written = False  # the shards were written since the last gather, by a step or a load (see stale)
+        self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
+        self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
+        self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
+        if attach:
+            if self.param_tier == "nvme":
+                offload_engine.SHARDS[self.key] = self
+                self.spill()
+            self.attach_master()
+
+    def attach_master(self) -> None:
+        """The host fp32 master an offloaded optimizer steps, once the tier is known (a compile's commit step
+        makes it for 'auto' tiers the planner sent to the host)."""
+        if self.master is None and self.optim_tier in ("cpu", "nvme") and self.param_tier == "device":
+            self._make_master()
+
+    def _make_master(self) -> None:
+        self.master = nn.Parameter(torch.empty(self.shard_numel, dtype=torch.float32, device="cpu",
+                                               pin_memory=self.shard.device.type == "cuda"),
+                                   requires_grad=self.shard.requires_grad)
+        self.master.detach().copy_(self.shard.detach())
+        self.master._zc_owner = self
+
+    def decide_optimizer_tier(self, offload: bool) -> None:
+        """offload.optimizer 'auto': the planner's choice, made once, before the optimizer first steps (the
+        commit step then makes the master: attach_master)."""
+        if self.optim_tier != "auto":
+            return
+        self.optim_tier = "cpu" if offload and self.stage >= 2 else "device"
+
+    # -- offload tiers
+    @property
+    def param_file(self) -> str:
+        """Name of the NVMe file of this rank's shard (param_tier 'nvme')."""
+        return f"param{self.key}"
+
+    def spill(self) -> None:
+        """NVMe tier: write the shard's values to its file and free its storage (the tensor keeps its shape)."""
+        self.nvme.write(self.param_file, self.shard.detach())
+        self.shard.untyped_storage().resize_(0)
+
+    def read_nvme(self) -> torch.Tensor:
+        return self.nvme.read(self.param_file, self.shard_numel, self.dtype)
+
+    def materialize(self) -> None:
+        """NVMe tier: bring the shard's values back into its own storage (for the optimizer step, checkpoints)."""
+        if self.param_tier == "nvme" and self.shard.untyped_storage().nbytes() == 0:
+            values = self.read_nvme()
+            self.shard.untyped_storage().resize_(values.numel() * values.element_size())
+            self.shard.detach().copy_(values)
+
+    def values(self) -> torch.Tensor:
+        """This rank's shard values, wherever they live (stages 2/3)."""
+        if self.param_tier == "nvme" and self.shard.untyped_storage().nbytes() == 0:
+            return self.read_nvme()
+        return self.shard.detach()
+
+    def load_values(self, value: torch.Tensor) -> None:
+        """Overwrite this rank's shard (and its master and file) with `value` (stages 2/3)."""
+        self.materialize()
+        self.shard.detach().copy_(value)
+        if self.master is not None:
+            self.master.detach().copy_(value)
+        if self.param_tier == "nvme":
+            self.spill()
+
+    @property
+    def param(self) -> nn.Parameter:
+        p = self.param_ref()
+        assert p is not None, "parameter was freed while its shard is in use"
+        return p
+
+    @property
+    def keeps_full(self) -> bool:
+        """Whether this rank holds the whole parameter between steps (stages 1/2, persistent stage 3)."""
+        return self.stage in (1, 2) or self.persistent
+
+    def release_full(self) -> None:
+        """Stage 3: free the user parameter's full storage, keeping its metadata (the shard holds the values)."""
+        p = self.param
+        if (self.stage != 3 or self.persistent or self.dtensor is not None or p.is_meta
+                or p.untyped_storage().nbytes() == 0):
+            return
+        if p.untyped_storage().nbytes() != self.numel * self.dtype.itemsize:
+            p.data = p.data.clone()  # shares storage with other tensors: free only its own copy
+        p.untyped_storage().resize_(0)
+
+    def full_view(self) -> torch.Tensor:
+        """The whole parameter (stages 0-2 and persistent stage 3), shaped like the original."""
+        return self.full[: self.numel].view(self.shape)
+
+    def use_secondary(self, numel: int, dtype: torch.dtype) -> None:
+        """hpZ: keep a secondary partition of `numel` elements of the gathered parameter (set when compiling)."""
+        if self.secondary_numel and (self.secondary_numel, self.secondary_dtype) != (numel, dtype):
+            raise RuntimeError(f"parameter {list(self.shape)}: two graphs ask for different hpZ partitions "
+                               f"({self.secondary_numel} x {self.secondary_dtype} and {numel} x {dtype})")
+        self.secondary_numel, self.secondary_dtype = numel, dtype
+
+    def secondary(self) -> torch.Tensor:
+        """hpZ's secondary partition: written by the forward graph, re-gathered (within a node) by the backward."""
+        if self._secondary is None:
+            self._secondary = torch.empty(self.secondary_numel, dtype=self.secondary_dtype, device=self.shard.device)
+        return self._secondary
+
+    def graph_input(self, arg: torch.Tensor) -> torch.Tensor:
+        """What the compiled graph takes for this parameter, given what dynamo passed (the DTensor or the stand-in)."""
+        self.compiled_calls += 1
+        if self.dtensor is not None and arg is self.dtensor:
+            if self.standin.requires_grad != self.standin_grad:
+                raise ZeroError(
+                    f"requires_grad of a parameter {list(self.shape)} was changed on a reference taken before the "
+                    "first forward: zcompile then replaced the module's parameters by DTensor shards, so that tensor "
+                    "is no longer the parameter. Take parameters from the module after the first forward (or call "
+                    "zcompile.shard_parameters(model, config) before taking them), e.g. "
+                    "`for p in model.block.parameters(): p.requires_grad_(True)`")
+            if arg.requires_grad and torch.is_grad_enabled():
+                return _GradToParam.apply(arg, self)
+            return self.graph_tensor()
+        return self.shard if self.stage >= 2 else self.param
+
+    def graph_tensor(self) -> torch.Tensor:
+        """The storage a graph reads: the flat shard (stages 2/3) or the whole parameter (stage 1)."""
+        return (self.shard if self.stage >= 2 else self.full_view()).detach()
+
+    def as_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat tensor that starts with this rank's part (a shard, a slice), viewed as this rank's rows of the
+        parameter (DTensor Shard(0) sizes; a rank may own none)."""
+        return flat[: self.hi - self.lo].view((self.hi - self.lo) // self.row_numel, *self.shape[1:])
+
+    def as_dtensor(self, rows: torch.Tensor, mesh) -> torch.Tensor:
+        """The DTensor of the parameter's shape whose local tensor on this rank is `rows` (from as_rows)."""
+        from torch._prims_common import make_contiguous_strides_for
+        from torch.distributed.tensor import DTensor, Shard
+        return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=torch.Size(self.shape),
+                                  stride=make_contiguous_strides_for(self.shape))
+
+    def local_rows(self) -> torch.Tensor:
+        """This rank's rows of the parameter, a view of the storage the graphs read."""
+        return self.as_rows((self.shard if self.stage >= 2 else self.local_slice()).detach())
+
+    def grad_dtensor(self, g: torch.Tensor) -> torch.Tensor:
+        """The DTensor gradient of the parameter from a graph's gradient of graph_tensor()."""
+        flat = g.reshape(-1)
+        return self.as_dtensor(self.as_rows(flat[self.lo:] if self.stage == 1 else flat), self.dtensor.device_mesh)
+
+    def versions(self) -> tuple:
+        """Write counters of this rank's part: the full buffer's, and the DTensor's (an in-place op on a DTensor bumps
+        the wrapper's counter, not its local tensor's)."""
+        return (None if self.full is None else self.full._version,
+                None if self.dtensor is None else self.dtensor._version)
+
+    def stale(self) -> bool:
+        """The whole-parameter copy misses writes to the shards since its last gather: an optimizer step or a load
+        (`written`, set by them: foreach/fused optimizer kernels on DTensors write the local tensors without bumping
+        any version counter) or another in-place op on the parameter (its version counters)."""
+        return (self.keeps_full and self.full is not None
+                and (self.written or self.versions() != self.seen_version))
+
+    def local_slice(self) -> torch.Tensor:
+        """This rank's padded slice of the full buffer (stages 1/2)."""
+        return self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+
+    # -- stage 1: the optimizer sees only this rank's slice while it steps
+    def enter_step(self) -> None:
+        p = self.param
+        self._step_grad = p.grad
+        p.data = self.full[self.lo:self.hi]
+        p.grad = None if self._step_grad is None else self._step_grad.reshape(-1)[self.lo:self.hi]
+
+    def exit_step(self) -> None:
+        p = self.param
+        p.data = self.full_view()
+        p.grad = self._step_grad
+        self._step_grad = None
+
+    def optimizer_tensor(self) -> torch.Tensor:
+        """The tensor the optimizer steps for this parameter."""
+        if self.master is not None:
+            return self.master
+        if self.dtensor is not None:
+            return self.dtensor
+        return self.shard if self.stage >= 2 else self.param
+
+    def gradient(self) -> torch.Tensor | None:
+        """The reduced gradient of this rank's part (before the step: it moves to the master only then)."""
+        if self.dtensor is not None:
+            g = self.dtensor.grad
+            if g is not None:
+                return g._local_tensor
+            return self.master.grad if self.master is not None else None
+        if self.stage < 2:
+            return self.param.grad
+        return self.shard.grad if self.shard.grad is not None or self.master is None else self.master.grad
+
+    def clear_grad(self) -> None:
+        for t in (self.dtensor, self.shard, self.master, self.param):
+            if t is not None:
+                t.grad = None
+
+    @property
+    def grad_sharded(self) -> bool:
+        """gradient() holds this rank's part only (a DTensor's rows, a shard), not the whole gradient."""
+        return self.dtensor is not None or self.stage >= 2
+
+    # -- optimizer offload around the step
+    def before_offloaded_step(self) -> None:
+        self.materialize()
+        holder = self.dtensor if self.dtensor is not None else self.shard
+        if self.master is not None and holder.grad is not None:
+            grad = holder.grad._local_tensor.reshape(-1) if self.dtensor is not None else holder.grad
+            offload_engine.count("device->cpu", grad.numel() * grad.element_size())
+            host = torch.zeros(self.shard_numel, dtype=torch.float32)
+            host[: grad.numel()].copy_(grad)
+            self.master.grad = host if self.master.grad is None else self.master.grad.add_(host)
+            holder.grad = None  # the device gradient is freed once it is on the host
+
+    def after_offloaded_step(self) -> None:
+        if self.master is not None:
+            offload_engine.count("cpu->device", self.shard_numel * self.dtype.itemsize)
+            self.shard.detach().copy_(self.master.detach())
+        if self.param_tier == "nvme":
+            self.spill()
+
+
+def _tier(setting: str) -> str:
+    return "device" if setting == "none" else setting
+
+
+def row_multiple(cfg, p: nn.Parameter) -> int:
+    """tile_linears needs a big 2-D weight sharded by whole rows, a multiple of the tile count per rank."""
+    t = cfg.tiling
+    big = t is not None and p.dim() == 2 and p.numel() * p.element_size() >= t.min_bytes
+    return t.tiles if big and cfg.stage == 3 else 0
+
+
+def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0,
+             attach: bool = True) -> ShardedParam:
+    """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity). `attach`: see
+    ShardedParam."""
+    zp = getattr(param, "_zc", None)
+    if zp is not None:
+        if zp.stage != stage or zp.world != ctx.world:
+            raise RuntimeError(f"parameter of shape {tuple(param.shape)} is already sharded for stage {zp.stage} "
+                               f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
+                               f"{ctx.world} ranks")
+        tier = _tier(offload.params if offload is not None and stage == 3 else "none")
+        if zp.param_tier != tier:
+            raise RuntimeError(f"parameter of shape {tuple(param.shape)} has its shard in tier {zp.param_tier!r}; "
+                               f"a compile asks for tier {tier!r}: use one config per model (and pass "
+                               "it to load_checkpoint(..., config=) when loading before the first forward)")
+        if zp.row_multiple != row_multiple:
+            raise RuntimeError(f"parameter of shape {tuple(param.shape)} is sharded "
+                               + (f"by rows for {zp.row_multiple} tiles" if zp.row_multiple else "without tiling")
+                               + f"; a compile asks for " + (f"{row_multiple} tiles" if row_multiple else "no tiling")
+                               + ": use one config per model (and pass it to load_checkpoint(..., config=))")
+        return zp
+    zp = ShardedParam(param, stage, ctx, offload, row_multiple, attach)
+    param._zc = zp
+    return zp
+
+
+def register_for(cfg, ctx: DistContext, param: nn.Parameter, attach: bool = True) -> ShardedParam:
+    """register() with the layout and tiers a config asks for."""
+    return register(param, cfg.stage, ctx, cfg.offload, row_multiple(cfg, param), attach)
+
+
+def owner(t: torch.Tensor) -> ShardedParam | None:
+    """The ShardedParam a user parameter or an optimizer shard belongs to."""
+    return getattr(t, "_zc", None) or getattr(t, "_zc_owner", None)
+
+
+def gather_full(zps: list[ShardedParam]) -> None:
+    """Refresh the full buffers of stage 1/2 parameters from every rank's updated slice, in one collective."""
+    if not zps:
+        return
+    by_key: dict = {}
+    for zp in zps:
+        by_key.setdefault((zp.group_name, zp.dtype, zp.full.device), []).append(zp)
+    for items in by_key.values():
+        group = items[0].group
+        send = torch.cat([zp.local_slice() for zp in items])
+        recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
+        all_gather_flat(recv, send, group)
+        nbytes = recv.numel() * recv.element_size()
+        collective_traffic.count([{"op": "all_gather", "bytes": nbytes, "cross_bytes": round(nbytes * items[0].cross_fraction)}])
+        per_rank = recv.view(items[0].world, -1)
+        offset = 0
+        for zp in items:
+            zp.full.view(zp.world, zp.shard_numel).copy_(per_rank[:, offset:offset + zp.shard_numel])
+            zp.seen_version = zp.versions()
+            zp.written = False
+            offset += zp.shard_numel
+
+
+def refresh_stale(zps) -> None:
+    """Bring whole-parameter copies up to date with the shards (every rank, the same parameters: the run check
+    compares whether a refresh is due)."""
+    gather_full([zp for zp in zps if zp.stale()])
+
+
+def make_persistent(zps: list[ShardedParam]) -> None:
+    """Commit the planner's persistence decisions (`persistent` set, no full buffer yet): a full buffer refreshed
+    from every rank's shard (one all-gather; the shards are the truth, the user's parameter may already be
+    released), the shard re-pointed at this rank's slice of it, as at stage 2. Every rank calls this with the same
+    parameters."""
+    zps = [zp for zp in zps if zp.stage == 3 and zp.persistent and zp.full is None]
+    for zp in zps:
+        zp.full = torch.zeros(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)
+        zp.local_slice().copy_(zp.shard.detach())
+        zp.shard.data = zp.local_slice()
+        if zp.dtensor is not None:
+            zp.dtensor._local_tensor = zp.local_rows()
+    gather_full(zps)
+    for zp in zps:
+        if zp.dtensor is None:
+            zp.param.data = zp.full_view()
+
+
+def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Point an optimizer built before the parameters were sharded (it holds the plain parameters) at what now
+    stands for them: the module's DTensor, or the shard / host master zcompile steps; state it already holds (e.g.
+    Adagrad's, made at construction with the full shape) is resharded to match."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            zp = owner(p)
+            if zp is None:
+                continue
+            target = zp.optimizer_tensor()
+            if p is target or (zp.stage == 1 and zp.dtensor is None):
+                continue
+            params[i] = target
+            if p in optimizer.state:
+                optimizer.state[target] = {k: _reshard_state(v, zp, target) for k, v in optimizer.state.pop(p).items()}
+
+
+def _reshard_state(value, zp: ShardedParam, target: torch.Tensor):
+    """Optimizer state of a parameter, moved to the layout of `target` (a DTensor's rows or a flat shard)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or isinstance(value, DTensor):
+        return value
+    if tuple(value.shape) == zp.shape:
+        mine = zp.as_rows(value.detach().reshape(-1)[zp.lo:])
+    elif tuple(value.shape) == (zp.shard_numel,):
+        mine = zp.as_rows(value.detach())
+    else:
+        return value
+    if isinstance(target, DTensor):
+        return zp.as_dtensor(mine.clone(), target.device_mesh)
+    flat = torch.zeros(zp.shard_numel, dtype=value.dtype, device=target.device)
+    flat[: mine.numel()].copy_(mine.reshape(-1))
+    return flat
+
+
+def _managed(optimizer: torch.optim.Optimizer) -> list[ShardedParam]:
+    return [zp for g in optimizer.param_groups for p in g["params"] if (zp := owner(p)) is not None]
+
+
+def _check_all_managed(optimizer: torch.optim.Optimizer) -> None:
+    """A parameter that ran only in eager code (e.g. a graph break inside a loop) never had its gradient
+    averaged across ranks: stepping it would silently let the ranks' replicas drift apart."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(owner(p) is not None for p in params):
+        return
+    stray = [tuple(p.shape) for p in params if owner(p) is None and p.grad is not None]
+    eager = [zp.shape for zp in map(owner, params) if zp is not None and _has_eager_grad(zp)]
+    if eager:
+        raise RuntimeError(
+            f"{len(eager)} sharded parameter(s) (shapes {eager[:4]}) got gradients from eager code, not from a graph "
+            "compiled by the zero backend, so those gradients were not reduced across ranks. Dynamo ran part of the "
+            "model without compiling it: a recompile limit reached, torch.compiler.disable, or a TorchDispatchMode "
+            "active around the forward (TORCH_LOGS=recompiles,graph_breaks tells which).")
+    if stray:
+        raise RuntimeError(
+            f"{len(stray)} parameter(s) with gradients (shapes {stray[:4]}{'...' if len(stray) > 4 else ''}) were "
+            "never an input of a graph compiled by the zero backend, so their gradients were not reduced across "
+            "ranks. They ran in eager code: look for a graph break dynamo could not resume from (e.g. inside a loop "
+            "over layers; TORCH_LOGS=graph_breaks shows them), or keep such parameters out of this optimizer.")
+
+
+def _has_eager_grad(zp: ShardedParam) -> bool:
+    if zp.dtensor is not None:  # an eager forward of a DTensor parameter reduces its gradient like a graph
+        return False
+    if zp.stage >= 2:  # the compiled graph gives gradients to the shard, never to the user's parameter
+        return zp.param.grad is not None
+    return zp.param.grad is not None and zp.compiled_calls == 0
+
+
+def _check_offloaded_optimizer(optimizer, zps: list[ShardedParam]) -> None:
+    attach = getattr(optimizer, "attach_nvme", None)  # zcompile.CPUAdam's (which imports this module)
+    if any(zp.optim_tier == "nvme" for zp in zps) and attach is None:
+        raise TypeError(f"offload.optimizer is 'nvme' but the optimizer is {type(optimizer).__name__}: only "
+                        "zcompile.CPUAdam keeps its state in NVMe files (a torch.optim optimizer keeps it in memory)")
+    nvme = next((zp.nvme for zp in zps if zp.optim_tier == "nvme"), None)
+    if attach is not None and nvme is not None:
+        attach(nvme)
+
+
+def _pre_step(optimizer, args, kwargs) -> None:
+    adopt_optimizer(optimizer)
+    _check_all_managed(optimizer)
+    zps = _managed(optimizer)
+    _check_offloaded_optimizer(optimizer, zps)
+    if zps:
+        nonfinite.check(optimizer, zps)
+    for zp in zps:
+        if zp.stage == 1 and zp.dtensor is None:
+            zp.enter_step()
+        if zp.optim_tier in ("cpu", "nvme"):
+            zp.before_offloaded_step()
+
+
+def _post_step(optimizer, args, kwargs) -> None:
+    zps = _managed(optimizer)
+    for zp in zps:
+        zp.compiled_calls = 0
+        zp.written = True
+        if zp.stage == 1 and zp.dtensor is None:
+            zp.exit_step()
+        if zp.optim_tier in ("cpu", "nvme"):
+            zp.after_offloaded_step()
+    # whole-parameter copies are refreshed by the next graph run that reads them (refresh_stale)
+
+
+register_optimizer_step_pre_hook(_pre_step)
+register_optimizer_step_post_hook(_post_step)
+
+
+class _GradToParam(torch.autograd.Function):
+    """Hands a graph the tensor it was compiled for; the graph's gradient of it becomes the DTensor parameter's."""
+
+    @staticmethod
+    def forward(ctx, dt, zp):
+        ctx.zp = zp
+        t = zp.graph_tensor()
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.zp.grad_dtensor(g), None

@@ -1,0 +1,1 @@
+"""Tools around the library: `zcompile plan`, memory reports and the local multi-process launcher."""
