@@ -9,6 +9,7 @@ declared in pass_contracts (`enabled_by`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 from typing import Any
@@ -20,7 +21,35 @@ from zcompile.errors import ConfigError  # noqa: F401  (re-exported: zcompile.co
 from zcompile.compiler.pass_contracts import CONTRACTS, DEFAULT_PIPELINE, check_pipeline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-STAGES = (0, 1, 2, 3)
+
+
+class Stage(enum.IntEnum):
+    """What a ZeRO stage shards over the ranks; stages are ordered (each shards what the one below does, and more)."""
+    DDP = 0          # nothing: gradients all-reduced, every rank holds and steps everything
+    OPTIMIZER = 1    # optimizer state
+    GRADIENTS = 2    # + gradients (reduce-scattered)
+    PARAMETERS = 3   # + parameters (gathered before use, released after)
+
+    __str__ = __repr__ = int.__repr__  # messages and dumps show the number
+    __format__ = int.__format__
+
+
+class Tier(str, enum.Enum):
+    """Where a kind of state lives between uses (config `offload.*`; a shard's `param_tier`/`optim_tier`)."""
+    NONE = "none"      # config only: not offloaded
+    DEVICE = "device"
+    CPU = "cpu"
+    NVME = "nvme"
+    AUTO = "auto"      # offload.optimizer: the planner decides (cpu only if the memory_budget needs it)
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+STAGES = tuple(Stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +186,9 @@ class QuantizeGradients:
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """ZeRO-Infinity tiers: where optimizer state, parameter shards and saved activations live between uses."""
-    optimizer: str = _default("offload", "optimizer")
-    params: str = _default("offload", "params")
-    activations: str = _default("offload", "activations")
+    optimizer: Tier = Tier(_default("offload", "optimizer"))
+    params: Tier = Tier(_default("offload", "params"))
+    activations: Tier = Tier(_default("offload", "activations"))
     nvme_path: str | None = _default("offload", "nvme_path")
     nvme_keep: bool = _default("offload", "nvme_keep")
     activation_min_bytes: int = _default("offload", "activation_min_bytes")
@@ -178,7 +207,7 @@ class Tiling:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    stage: int = SCHEMA["stage"].default
+    stage: Stage = Stage(SCHEMA["stage"].default)
     backend: str = SCHEMA["backend"].default
     mixed_precision: MixedPrecision = MixedPrecision()
     dump: str | None = SCHEMA["dump"].default
@@ -343,22 +372,26 @@ def offload_for(section: dict, stage: int, where: str) -> Offload:
     """An Offload section from a mapping of its keys, checked as in a config file (zcompile plan --offload)."""
     values = _read({"offload": section, "stage": stage}, SCHEMA, where)
     _check_stages(values, stage, where)
-    o = Offload(**values["offload"])
+    o = _tiers(Offload(**values["offload"]))
     _check_offload(o, where)
     return o
+
+
+def _tiers(o: Offload) -> Offload:
+    return dataclasses.replace(o, optimizer=Tier(o.optimizer), params=Tier(o.params), activations=Tier(o.activations))
 
 
 def from_dict(raw: dict, where: str = "<options>") -> Config:
     """Validate a raw mapping (parsed YAML) and build a Config."""
     v = _read(raw if raw is not None else {}, SCHEMA, where)
-    stage = v["stage"]
+    stage = Stage(v["stage"])
     _check_stages(v, stage, where)
     mp = MixedPrecision(DTYPES[v["mixed_precision"]["param_dtype"]], DTYPES[v["mixed_precision"]["reduce_dtype"]])
     if mp.param_dtype == torch.float32 and mp.reduce_dtype != torch.float32:
         raise ConfigError(f"{where}: key 'mixed_precision.reduce_dtype' is {v['mixed_precision']['reduce_dtype']} "
                           "but param_dtype is fp32: gradients are produced in fp32, reducing them in lower precision "
                           "only loses accuracy")
-    offload = Offload(**v["offload"])
+    offload = _tiers(Offload(**v["offload"]))
     _check_offload(offload, where)
     pipeline = v["pipeline"]
     if pipeline is not None:

@@ -38,6 +38,7 @@ from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
 from zcompile.compiler.pass_context import PassContext
 from zcompile.compiler.passes import placement
 from zcompile.compiler.topology import Topology
+from zcompile.config import Stage, Tier
 
 _graph_ids = itertools.count()  # numbers graphs in dumps and messages, per process
 
@@ -87,13 +88,13 @@ def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
         return buffers[zp]
 
     with fake_mode:
-        if pctx.cfg.stage >= 2:
+        if pctx.cfg.stage >= Stage.GRADIENTS:
             for i, ph in pctx.param_placeholders(gm).items():
                 zp = pctx.params[i]
                 if zp.keeps_full:
                     ph.meta["val"] = full_buffer(zp)[zp.rank * zp.shard_numel:(zp.rank + 1) * zp.shard_numel]
                 else:
-                    where = pctx.dist.device if zp.param_tier == "device" else "cpu"
+                    where = pctx.dist.device if zp.param_tier == Tier.DEVICE else "cpu"
                     ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=where)
                 pctx.own_placeholders.add(ph.name)
         for ph in phs:
@@ -160,7 +161,7 @@ class _GraphCompile:
         budget, the headroom is the budget minus the planned step peak with every parameter sharded, measured by
         running the split passes on copies of the graphs."""
         undecided = [zp for zp in self.params.values()
-                     if zp.stage == 3 and not zp.persist_decided and zp.param_tier == "device"]
+                     if zp.stage == Stage.PARAMETERS and not zp.persist_decided and zp.param_tier == Tier.DEVICE]
         if not undecided:
             return
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
@@ -190,7 +191,7 @@ class _GraphCompile:
         zps = list(self.params.values())
         state = planner.model_state(zps)
         peak = planner.step_peak(state, lives)
-        auto = [zp for zp in zps if zp.optim_tier == "auto"]
+        auto = [zp for zp in zps if zp.optim_tier == Tier.AUTO]
         if auto:  # offload.optimizer auto: the optimizer state stays on the device if the step fits with it there
             for zp in auto:
                 zp.decide_optimizer_tier(offload=peak > budget)
@@ -376,7 +377,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     cfg = frozen_config(options)
     ctx = DistContext.current()
     set_group_timeout(ctx, cfg.collective_timeout_s)
-    if cfg.stage >= 1:
+    if cfg.stage >= Stage.OPTIMIZER:
         _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
     job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=True)
     _COMPILED.add(job)

@@ -14,6 +14,7 @@ import dataclasses
 
 from zcompile.compiler import liveness
 from zcompile.runtime.shard_store import ShardedParam
+from zcompile.config import Stage, Tier
 
 OPTIM_BYTES_PER_ELEMENT = 8  # Adam's exp_avg and exp_avg_sq in fp32
 
@@ -42,20 +43,20 @@ def model_state(zps: list[ShardedParam]) -> ModelState:
         if zp.secondary_numel and not zp.keeps_full:  # a persistent parameter is never gathered
             secondary += zp.secondary_numel * zp.secondary_dtype.itemsize
         item = zp.dtype.itemsize
-        stepped = zp.numel if zp.stage == 0 else zp.shard_numel
-        p_bytes = item * (zp.numel if zp.stage == 0 else zp.padded_numel if zp.keeps_full else zp.shard_numel)
-        g_bytes = item * (zp.numel if zp.stage < 2 else zp.shard_numel)
+        stepped = zp.numel if zp.stage == Stage.DDP else zp.shard_numel
+        p_bytes = item * (zp.numel if zp.stage == Stage.DDP else zp.padded_numel if zp.keeps_full else zp.shard_numel)
+        g_bytes = item * (zp.numel if zp.stage < Stage.GRADIENTS else zp.shard_numel)
         o_bytes = OPTIM_BYTES_PER_ELEMENT * stepped
-        if zp.keeps_full and zp.stage == 3:
+        if zp.keeps_full and zp.stage == Stage.PARAMETERS:
             persistent += zp.numel
-        if zp.param_tier != "device":  # the shard and its gradient live in the tier, stepped there
-            host += g_bytes + (p_bytes if zp.param_tier == "cpu" else 0)
-            nvme += p_bytes if zp.param_tier == "nvme" else 0
+        if zp.param_tier != Tier.DEVICE:  # the shard and its gradient live in the tier, stepped there
+            host += g_bytes + (p_bytes if zp.param_tier == Tier.CPU else 0)
+            nvme += p_bytes if zp.param_tier == Tier.NVME else 0
             p_bytes = g_bytes = 0
-        if zp.optim_tier in ("cpu", "nvme"):  # "auto" before the planner decides: on the device
-            host += o_bytes if zp.optim_tier == "cpu" else 0
-            nvme += o_bytes if zp.optim_tier == "nvme" else 0
-            host += 4 * stepped if zp.param_tier == "device" else 0  # the fp32 master the optimizer steps
+        if zp.optim_tier in (Tier.CPU, Tier.NVME):  # "auto" before the planner decides: on the device
+            host += o_bytes if zp.optim_tier == Tier.CPU else 0
+            nvme += o_bytes if zp.optim_tier == Tier.NVME else 0
+            host += 4 * stepped if zp.param_tier == Tier.DEVICE else 0  # the fp32 master the optimizer steps
             o_bytes = 0
         param, grad, optim = param + p_bytes, grad + g_bytes, optim + o_bytes
     return ModelState(param, grad, optim, persistent, secondary, host, nvme)

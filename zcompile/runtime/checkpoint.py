@@ -35,6 +35,7 @@ from zcompile import config as zconfig
 from zcompile.runtime import shard_store
 from zcompile.runtime.dist_context import DistContext, all_gather_flat
 from zcompile.errors import CheckpointError
+from zcompile.config import Stage
 
 MANIFEST = "zcompile.json"
 FORMAT = "zcompile-checkpoint-v2"
@@ -108,14 +109,14 @@ def _sharded_state(module: nn.Module, optimizer) -> dict:
             raise CheckpointError(f"parameter '{name}' is not managed by zcompile yet: run one forward pass of the "
                                   "compiled model (or load a checkpoint) before saving")
         stages.add(zp.stage)
-        params[name] = (_local_values(zp) if zp.stage >= 1 else p.detach()).clone()
+        params[name] = (_local_values(zp) if zp.stage >= Stage.OPTIMIZER else p.detach()).clone()
     return {"stages": sorted(stages), "params": params,
             "buffers": {n: b.detach().clone() for n, b in module.named_buffers()},
             "optimizer": optimizer.state_dict() if optimizer is not None else None}
 
 
 def _local_values(zp: shard_store.ShardedParam) -> torch.Tensor:
-    return zp.values() if zp.stage >= 2 else zp.local_slice()
+    return zp.values() if zp.stage >= Stage.GRADIENTS else zp.local_slice()
 
 
 def _rng_state() -> dict:
@@ -251,7 +252,7 @@ def _load_dcp(directory: str, model: nn.Module, optimizer, cfg, ctx: DistContext
     if optimizer is not None:
         shard_store.adopt_optimizer(optimizer)  # built on the parameters the DTensors replaced
     plain = _plain_shards(module)
-    if any(zp.param.untyped_storage().nbytes() == 0 for zp in plain if zp.stage == 3):
+    if any(zp.param.untyped_storage().nbytes() == 0 for zp in plain if zp.stage == Stage.PARAMETERS):
         raise CheckpointError(f"{directory}: this model's tiled or NVMe-offloaded parameters already gave their values "
                               "to the shards; load a torch.distributed.checkpoint checkpoint into it before its first "
                               "forward")
@@ -269,16 +270,16 @@ def _load_dcp(directory: str, model: nn.Module, optimizer, cfg, ctx: DistContext
             zp.written = True
     with torch.no_grad():
         for zp in plain:  # registered from the values before loading: take the loaded ones
-            if zp.stage >= 2:
+            if zp.stage >= Stage.GRADIENTS:
                 flat = torch.zeros(zp.shard_numel, dtype=zp.dtype, device=zp.param.device)
                 flat[: zp.hi - zp.lo].copy_(zp.param.detach().reshape(-1)[zp.lo:zp.hi])
                 zp.load_values(flat)
 
 
 def _plain_shards(module: nn.Module) -> list:
-    """ShardedParams of the module's parameters that are sharded (stage >= 1) but not DTensors."""
+    """ShardedParams of the module's parameters that are sharded (stage >= Stage.OPTIMIZER) but not DTensors."""
     return [zp for p in module.parameters() if not isinstance(p, DTensor)
-            and (zp := shard_store.owner(p)) is not None and zp.stage >= 1]
+            and (zp := shard_store.owner(p)) is not None and zp.stage >= Stage.OPTIMIZER]
 
 
 def _load_sharded(directory: str, state: dict, model: nn.Module, optimizer, cfg, ctx: DistContext) -> None:
@@ -293,12 +294,12 @@ def _load_sharded(directory: str, state: dict, model: nn.Module, optimizer, cfg,
             zp = (shard_store.register(p, ckpt_stage, ctx) if cfg is None else
                   shard_store.register(p, ckpt_stage, ctx, cfg.offload, shard_store.row_multiple(cfg, p)))
             value = state["params"][name]
-            target = p if zp.stage == 0 else _local_values(zp)
+            target = p if zp.stage == Stage.DDP else _local_values(zp)
             if target.shape != value.shape:
                 raise CheckpointError(f"{path}: '{name}' holds shape {tuple(value.shape)}, expected "
                                       f"{tuple(target.shape)} (a checkpoint of a tiled model loads with "
                                       "load_checkpoint(..., config=) of it)")
-            if zp.stage >= 2:
+            if zp.stage >= Stage.GRADIENTS:
                 zp.load_values(value)  # the shard, its offload master and its NVMe file
             else:
                 target.copy_(value)
@@ -321,7 +322,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     shard_store.refresh_stale([zp for _, p in _named_params(model) if (zp := shard_store.owner(p)) is not None])
     for name, p in _named_params(model):
         zp = shard_store.owner(p)
-        if zp is None or zp.stage == 0:
+        if zp is None or zp.stage == Stage.DDP:
             value = p.detach().clone()
         elif zp.keeps_full:
             value = zp.full_view().clone()

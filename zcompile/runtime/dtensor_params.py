@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from zcompile.runtime import dist_context, shard_store
 from zcompile.errors import ZCompileError
+from zcompile.config import Stage, Tier
 
 _MESHES: dict = {}  # cache: (group name, device type) -> DeviceMesh over that group
 _CLASSES: dict = {}  # cache: (module class, parameter names) -> its subclass with parameter properties
@@ -34,7 +35,7 @@ _forward = threading.local()  # depth of eager forwards of modules holding DTens
 
 
 def eligible(zp: shard_store.ShardedParam) -> bool:
-    return zp.stage >= 1 and len(zp.shape) >= 1 and not zp.row_multiple and zp.param_tier != "nvme"
+    return zp.stage >= Stage.OPTIMIZER and len(zp.shape) >= 1 and not zp.row_multiple and zp.param_tier != Tier.NVME
 
 
 def mesh_for(zp: shard_store.ShardedParam, ctx: dist_context.DistContext, timeout_s: float) -> DeviceMesh:
@@ -80,7 +81,7 @@ def shard_parameters(model: nn.Module, config) -> nn.Module:
     from zcompile import config as zconfig
     cfg = zconfig.from_options({"config": config})
     ctx = dist_context.DistContext.current()
-    if cfg.stage >= 1:
+    if cfg.stage >= Stage.OPTIMIZER:
         shard_module(getattr(model, "_orig_mod", model), partial(shard_store.register_for, cfg, ctx), ctx,
                      cfg.collective_timeout_s)
     return model

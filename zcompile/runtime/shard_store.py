@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from zcompile.runtime import collective_traffic, nonfinite, offload_engine
 from zcompile.runtime.dist_context import DistContext, all_gather_flat
 from zcompile.errors import ZeroError
+from zcompile.config import Stage, Tier
 
 _keys = itertools.count()
 
@@ -60,7 +61,7 @@ class ShardedParam:
         self.dtype = param.dtype
         # Dim-0 sharding (DTensor's Shard(0), torch.chunk sizes): rank r owns rows [r*c, (r+1)*c) of ceil(d0/world)
         # = c rows each, zero-padded; flattened, that is elements [r*s, (r+1)*s) with s = c * row size.
-        self.row_multiple = row_multiple if stage == 3 and param.dim() == 2 else 0
+        self.row_multiple = row_multiple if stage == Stage.PARAMETERS and param.dim() == 2 else 0
         rows = math.ceil(self.shape[0] / self.world) if param.dim() else 1
         if self.row_multiple:
             # tile_linears: a multiple of `row_multiple` rows per rank, so a tile of every rank's shard is a set of
@@ -69,8 +70,8 @@ class ShardedParam:
         self.row_numel = math.prod(self.shape[1:]) if param.dim() else 1
         self.shard_numel = max(1, rows * self.row_numel)
         self.key = next(_keys)
-        self.param_tier = _tier(offload.params if offload is not None and stage == 3 else "none")
-        self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= 2 else "none")
+        self.param_tier = _tier(offload.params if offload is not None and stage == Stage.PARAMETERS else "none")
+        self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= Stage.GRADIENTS else "none")
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
                      if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
@@ -80,22 +81,22 @@ class ShardedParam:
         data = param.detach()
         self.full: torch.Tensor | None = None
         self.shard: nn.Parameter | None = None
-        if stage in (1, 2) and not param.is_contiguous():
+        if stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and not param.is_contiguous():
             raise ValueError(f"stage {stage} needs contiguous parameters; got one of shape {self.shape} with strides "
                              f"{tuple(param.stride())}")
-        if stage in (1, 2):
+        if stage in (Stage.OPTIMIZER, Stage.GRADIENTS):
             self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=data.device)
             self.full[: self.numel].copy_(data.reshape(-1))
-        if stage in (2, 3):
-            if stage == 2:
+        if stage in (Stage.GRADIENTS, Stage.PARAMETERS):
+            if stage == Stage.GRADIENTS:
                 local = self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
             else:
-                where = "cpu" if self.param_tier != "device" and attach else data.device
+                where = "cpu" if self.param_tier != Tier.DEVICE and attach else data.device
                 local = torch.zeros(self.shard_numel, dtype=self.dtype, device=where)
                 local[: self.hi - self.lo].copy_(data.reshape(-1)[self.lo:self.hi])
             self.shard = nn.Parameter(local, requires_grad=param.requires_grad)
             self.shard._zc_owner = self  # lets checkpoints and clipping find the parameter a shard belongs to
-        if stage in (1, 2):
+        if stage in (Stage.OPTIMIZER, Stage.GRADIENTS):
             param.data = self.full_view()
         self.secondary_numel = 0     # hpZ: elements of this rank's secondary partition (0: none)
         self.secondary_dtype: torch.dtype | None = None
@@ -110,7 +111,7 @@ class ShardedParam:
         self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
         self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
         if attach:
-            if self.param_tier == "nvme":
+            if self.param_tier == Tier.NVME:
                 offload_engine.SHARDS[self.key] = self
                 self.spill()
             self.attach_master()
@@ -118,7 +119,7 @@ class ShardedParam:
     def attach_master(self) -> None:
         """The host fp32 master an offloaded optimizer steps, once the tier is known (a compile's commit step
         makes it for 'auto' tiers the planner sent to the host)."""
-        if self.master is None and self.optim_tier in ("cpu", "nvme") and self.param_tier == "device":
+        if self.master is None and self.optim_tier in (Tier.CPU, Tier.NVME) and self.param_tier == Tier.DEVICE:
             self._make_master()
 
     def _make_master(self) -> None:
@@ -131,9 +132,9 @@ class ShardedParam:
     def decide_optimizer_tier(self, offload: bool) -> None:
         """offload.optimizer 'auto': the planner's choice, made once, before the optimizer first steps (the
         commit step then makes the master: attach_master)."""
-        if self.optim_tier != "auto":
+        if self.optim_tier != Tier.AUTO:
             return
-        self.optim_tier = "cpu" if offload and self.stage >= 2 else "device"
+        self.optim_tier = Tier.CPU if offload and self.stage >= Stage.GRADIENTS else Tier.DEVICE
 
     # -- offload tiers
     @property
@@ -151,14 +152,14 @@ class ShardedParam:
 
     def materialize(self) -> None:
         """NVMe tier: bring the shard's values back into its own storage (for the optimizer step, checkpoints)."""
-        if self.param_tier == "nvme" and self.shard.untyped_storage().nbytes() == 0:
+        if self.param_tier == Tier.NVME and self.shard.untyped_storage().nbytes() == 0:
             values = self.read_nvme()
             self.shard.untyped_storage().resize_(values.numel() * values.element_size())
             self.shard.detach().copy_(values)
 
     def values(self) -> torch.Tensor:
         """This rank's shard values, wherever they live (stages 2/3)."""
-        if self.param_tier == "nvme" and self.shard.untyped_storage().nbytes() == 0:
+        if self.param_tier == Tier.NVME and self.shard.untyped_storage().nbytes() == 0:
             return self.read_nvme()
         return self.shard.detach()
 
@@ -168,7 +169,7 @@ class ShardedParam:
         self.shard.detach().copy_(value)
         if self.master is not None:
             self.master.detach().copy_(value)
-        if self.param_tier == "nvme":
+        if self.param_tier == Tier.NVME:
             self.spill()
 
     @property
@@ -180,12 +181,12 @@ class ShardedParam:
     @property
     def keeps_full(self) -> bool:
         """Whether this rank holds the whole parameter between steps (stages 1/2, persistent stage 3)."""
-        return self.stage in (1, 2) or self.persistent
+        return self.stage in (Stage.OPTIMIZER, Stage.GRADIENTS) or self.persistent
 
     def release_full(self) -> None:
         """Stage 3: free the user parameter's full storage, keeping its metadata (the shard holds the values)."""
         p = self.param
-        if (self.stage != 3 or self.persistent or self.dtensor is not None or p.is_meta
+        if (self.stage != Stage.PARAMETERS or self.persistent or self.dtensor is not None or p.is_meta
                 or p.untyped_storage().nbytes() == 0):
             return
         if p.untyped_storage().nbytes() != self.numel * self.dtype.itemsize:
@@ -223,11 +224,11 @@ class ShardedParam:
             if arg.requires_grad and torch.is_grad_enabled():
                 return _GradToParam.apply(arg, self)
             return self.graph_tensor()
-        return self.shard if self.stage >= 2 else self.param
+        return self.shard if self.stage >= Stage.GRADIENTS else self.param
 
     def graph_tensor(self) -> torch.Tensor:
         """The storage a graph reads: the flat shard (stages 2/3) or the whole parameter (stage 1)."""
-        return (self.shard if self.stage >= 2 else self.full_view()).detach()
+        return (self.shard if self.stage >= Stage.GRADIENTS else self.full_view()).detach()
 
     def as_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """A flat tensor that starts with this rank's part (a shard, a slice), viewed as this rank's rows of the
@@ -243,12 +244,13 @@ class ShardedParam:
 
     def local_rows(self) -> torch.Tensor:
         """This rank's rows of the parameter, a view of the storage the graphs read."""
-        return self.as_rows((self.shard if self.stage >= 2 else self.local_slice()).detach())
+        return self.as_rows((self.shard if self.stage >= Stage.GRADIENTS else self.local_slice()).detach())
 
     def grad_dtensor(self, g: torch.Tensor) -> torch.Tensor:
         """The DTensor gradient of the parameter from a graph's gradient of graph_tensor()."""
         flat = g.reshape(-1)
-        return self.as_dtensor(self.as_rows(flat[self.lo:] if self.stage == 1 else flat), self.dtensor.device_mesh)
+        rows = self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
+        return self.as_dtensor(rows, self.dtensor.device_mesh)
 
     def versions(self) -> tuple:
         """Write counters of this rank's part: the full buffer's, and the DTensor's (an in-place op on a DTensor bumps
@@ -286,7 +288,7 @@ class ShardedParam:
             return self.master
         if self.dtensor is not None:
             return self.dtensor
-        return self.shard if self.stage >= 2 else self.param
+        return self.shard if self.stage >= Stage.GRADIENTS else self.param
 
     def gradient(self) -> torch.Tensor | None:
         """The reduced gradient of this rank's part (before the step: it moves to the master only then)."""
@@ -295,7 +297,7 @@ class ShardedParam:
             if g is not None:
                 return g._local_tensor
             return self.master.grad if self.master is not None else None
-        if self.stage < 2:
+        if self.stage < Stage.GRADIENTS:
             return self.param.grad
         return self.shard.grad if self.shard.grad is not None or self.master is None else self.master.grad
 
@@ -307,7 +309,7 @@ class ShardedParam:
     @property
     def grad_sharded(self) -> bool:
         """gradient() holds this rank's part only (a DTensor's rows, a shard), not the whole gradient."""
-        return self.dtensor is not None or self.stage >= 2
+        return self.dtensor is not None or self.stage >= Stage.GRADIENTS
 
     # -- optimizer offload around the step
     def before_offloaded_step(self) -> None:
@@ -325,19 +327,19 @@ class ShardedParam:
         if self.master is not None:
             offload_engine.count("cpu->device", self.shard_numel * self.dtype.itemsize)
             self.shard.detach().copy_(self.master.detach())
-        if self.param_tier == "nvme":
+        if self.param_tier == Tier.NVME:
             self.spill()
 
 
-def _tier(setting: str) -> str:
-    return "device" if setting == "none" else setting
+def _tier(setting: str) -> Tier:
+    return Tier.DEVICE if setting == Tier.NONE else Tier(setting)
 
 
 def row_multiple(cfg, p: nn.Parameter) -> int:
     """tile_linears needs a big 2-D weight sharded by whole rows, a multiple of the tile count per rank."""
     t = cfg.tiling
     big = t is not None and p.dim() == 2 and p.numel() * p.element_size() >= t.min_bytes
-    return t.tiles if big and cfg.stage == 3 else 0
+    return t.tiles if big and cfg.stage == Stage.PARAMETERS else 0
 
 
 def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0,
@@ -350,7 +352,7 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is already sharded for stage {zp.stage} "
                                f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
                                f"{ctx.world} ranks")
-        tier = _tier(offload.params if offload is not None and stage == 3 else "none")
+        tier = _tier(offload.params if offload is not None and stage == Stage.PARAMETERS else "none")
         if zp.param_tier != tier:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} has its shard in tier {zp.param_tier!r}; "
                                f"a compile asks for tier {tier!r}: use one config per model (and pass "
@@ -410,7 +412,7 @@ def make_persistent(zps: list[ShardedParam]) -> None:
     from every rank's shard (one all-gather; the shards are the truth, the user's parameter may already be
     released), the shard re-pointed at this rank's slice of it, as at stage 2. Every rank calls this with the same
     parameters."""
-    zps = [zp for zp in zps if zp.stage == 3 and zp.persistent and zp.full is None]
+    zps = [zp for zp in zps if zp.stage == Stage.PARAMETERS and zp.persistent and zp.full is None]
     for zp in zps:
         zp.full = torch.zeros(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)
         zp.local_slice().copy_(zp.shard.detach())
@@ -434,7 +436,7 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
             if zp is None:
                 continue
             target = zp.optimizer_tensor()
-            if p is target or (zp.stage == 1 and zp.dtensor is None):
+            if p is target or (zp.stage == Stage.OPTIMIZER and zp.dtensor is None):
                 continue
             params[i] = target
             if p in optimizer.state:
@@ -488,17 +490,17 @@ def _check_all_managed(optimizer: torch.optim.Optimizer) -> None:
 def _has_eager_grad(zp: ShardedParam) -> bool:
     if zp.dtensor is not None:  # an eager forward of a DTensor parameter reduces its gradient like a graph
         return False
-    if zp.stage >= 2:  # the compiled graph gives gradients to the shard, never to the user's parameter
+    if zp.stage >= Stage.GRADIENTS:  # the compiled graph gives gradients to the shard, never to the user's parameter
         return zp.param.grad is not None
     return zp.param.grad is not None and zp.compiled_calls == 0
 
 
 def _check_offloaded_optimizer(optimizer, zps: list[ShardedParam]) -> None:
     attach = getattr(optimizer, "attach_nvme", None)  # zcompile.CPUAdam's (which imports this module)
-    if any(zp.optim_tier == "nvme" for zp in zps) and attach is None:
+    if any(zp.optim_tier == Tier.NVME for zp in zps) and attach is None:
         raise TypeError(f"offload.optimizer is 'nvme' but the optimizer is {type(optimizer).__name__}: only "
                         "zcompile.CPUAdam keeps its state in NVMe files (a torch.optim optimizer keeps it in memory)")
-    nvme = next((zp.nvme for zp in zps if zp.optim_tier == "nvme"), None)
+    nvme = next((zp.nvme for zp in zps if zp.optim_tier == Tier.NVME), None)
     if attach is not None and nvme is not None:
         attach(nvme)
 
@@ -511,9 +513,9 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if zps:
         nonfinite.check(optimizer, zps)
     for zp in zps:
-        if zp.stage == 1 and zp.dtensor is None:
+        if zp.stage == Stage.OPTIMIZER and zp.dtensor is None:
             zp.enter_step()
-        if zp.optim_tier in ("cpu", "nvme"):
+        if zp.optim_tier in (Tier.CPU, Tier.NVME):
             zp.before_offloaded_step()
 
 
@@ -522,9 +524,9 @@ def _post_step(optimizer, args, kwargs) -> None:
     for zp in zps:
         zp.compiled_calls = 0
         zp.written = True
-        if zp.stage == 1 and zp.dtensor is None:
+        if zp.stage == Stage.OPTIMIZER and zp.dtensor is None:
             zp.exit_step()
-        if zp.optim_tier in ("cpu", "nvme"):
+        if zp.optim_tier in (Tier.CPU, Tier.NVME):
             zp.after_offloaded_step()
     # whole-parameter copies are refreshed by the next graph run that reads them (refresh_stale)
 

@@ -20,6 +20,7 @@ from zcompile.compiler import backend as zbackend, collectives, liveness, planne
 from zcompile.tools import report
 from zcompile.runtime.dist_context import DistContext
 from zcompile.models.gpt import GPT, GPTConfig
+from zcompile.config import Stage
 
 PRESETS = {  # GPT-3 paper shapes (vocab padded to a multiple of 64)
     "gpt-small": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
@@ -74,7 +75,7 @@ class Plan:
             f" (planned/formula = {(self.state.total - self.state.secondary + self.state.host + self.state.nvme) / self.formula_bytes:.6f}"
             + (", counting offloaded bytes" if self.state.host or self.state.nvme else "") + ")",
             f"  ZeRO paper formula (fp16 params/grads, K=12): {f(self.paper_formula_bytes)}"
-            + (" (same total at stage 3: 16 bytes per parameter / N)" if self.stage == 3 else ""),
+            + (" (same total at stage 3: 16 bytes per parameter / N)" if self.stage == Stage.PARAMETERS else ""),
         ]
         for kind, g in self.graph_peaks.items():
             lines.append(f"{kind}: inputs {f(g['inputs'])} (shards, batch, saved activations) + transient peak "
@@ -133,7 +134,7 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         raise zconfig.ConfigError(f"{cfg.source}: key 'memory_budget' is a fraction of device memory; planning "
                                   "has no device, give it in bytes (e.g. '80GiB')")
     if offload != "none":
-        section = {"optimizer": offload, "params": offload if cfg.stage == 3 else "none",
+        section = {"optimizer": offload, "params": offload if cfg.stage == Stage.PARAMETERS else "none",
                    "activations": cfg.offload.activations,
                    "activation_min_bytes": cfg.offload.activation_min_bytes}
         if offload == "nvme":
@@ -165,7 +166,7 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         for c in sched:
             comm[kind][c["op"]] = comm[kind].get(c["op"], 0) + c["bytes"]
             cross += c.get("cross_bytes", 0)
-    refresh = sum(zp.padded_numel * zp.dtype.itemsize for zp in zps if zp.keeps_full and zp.stage >= 1)
+    refresh = sum(zp.padded_numel * zp.dtype.itemsize for zp in zps if zp.keeps_full and zp.stage >= Stage.OPTIMIZER)
     if refresh:
         comm["optimizer_step"] = {"all_gather": refresh}
         cross += round(refresh * job.topology.cross_fraction(range(world)))

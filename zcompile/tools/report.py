@@ -18,12 +18,13 @@ import torch.nn as nn
 from zcompile.compiler import planner
 from zcompile.runtime import nvme_files, shard_store
 from zcompile.runtime.cpu_adam import CPUAdam
+from zcompile.config import Stage, Tier
 
 
 def expected_bytes(stage: int, P: int, N: int, persistent: int = 0) -> int:
-    param = 4 * P if stage < 3 else 4 * (P - persistent) / N + 4 * persistent
-    grad = 4 * P if stage < 2 else 4 * P / N
-    optim = 8 * P if stage < 1 else 8 * P / N
+    param = 4 * P if stage < Stage.PARAMETERS else 4 * (P - persistent) / N + 4 * persistent
+    grad = 4 * P if stage < Stage.GRADIENTS else 4 * P / N
+    optim = 8 * P if stage < Stage.OPTIMIZER else 8 * P / N
     return int(param + grad + optim)
 
 
@@ -92,14 +93,14 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
         P += zp.numel
         if zp.keeps_full:
             param_b += _nbytes(zp.full)  # stage 2's (and a persistent one's) shard is a view into it
-        elif zp.stage == 3 and zp.param_tier == "device":
+        elif zp.stage == Stage.PARAMETERS and zp.param_tier == Tier.DEVICE:
             param_b += _nbytes(zp.shard)
-        elif zp.stage == 3:
-            host_b += _nbytes(zp.shard) if zp.param_tier == "cpu" else 0
+        elif zp.stage == Stage.PARAMETERS:
+            host_b += _nbytes(zp.shard) if zp.param_tier == Tier.CPU else 0
             nvme_b += _file_bytes(zp, zp.param_file)
         else:
             param_b += _nbytes(p)
-        if zp.param_tier == "device":
+        if zp.param_tier == Tier.DEVICE:
             grad_b += _storage_bytes(zp.gradient(), seen)
         else:
             host_b += _storage_bytes(zp.gradient(), seen)
@@ -108,13 +109,13 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryR
     for zp in zps:
         state = sum(_nbytes(v) for v in optimizer.state.get(zp.optimizer_tensor(), {}).values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        if zp.optim_tier not in ("cpu", "nvme"):
+        if zp.optim_tier not in (Tier.CPU, Tier.NVME):
             optim_b += state
         else:
             host_b += state
             nvme_b += sum(_file_bytes(zp, f) for f in CPUAdam.moment_files(zp.optimizer_tensor()))
     stage, world = zps[0].stage, zps[0].world
-    persistent = sum(zp.numel for zp in zps if zp.stage == 3 and zp.persistent)
+    persistent = sum(zp.numel for zp in zps if zp.stage == Stage.PARAMETERS and zp.persistent)
     secondary = sum(_nbytes(zp._secondary) for zp in zps)
     planned = planner.model_state(zps)
     expected = expected_bytes(stage, P, world, persistent) + planned.secondary

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from zcompile.runtime import offload_engine  # noqa: F401  (registers the zcompile:: ops)
 from zcompile.compiler.passes import placement
+from zcompile.config import Tier
 
 
 def _offload_saved(gm: fx.GraphModule, pctx) -> None:
@@ -51,7 +52,7 @@ def _reload_saved(gm: fx.GraphModule, pctx) -> None:
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
-    if pctx.cfg.offload.activations == "none" or pctx.kind not in ("forward", "backward"):
+    if pctx.cfg.offload.activations == Tier.NONE or pctx.kind not in ("forward", "backward"):
         return gm
     if pctx.kind == "forward":
         _offload_saved(gm, pctx)

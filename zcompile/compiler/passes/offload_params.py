@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from zcompile.runtime import offload_engine  # noqa: F401  (registers the zcompile:: ops)
 from zcompile.compiler.passes import placement
+from zcompile.config import Tier
 
 
 def _gradients_to_host(gm: fx.GraphModule, pctx) -> None:
@@ -22,7 +23,7 @@ def _gradients_to_host(gm: fx.GraphModule, pctx) -> None:
     out = gm.graph.output_node()
     grads = list(out.args[0])
     for i, zp in pctx.params.items():
-        if zp.param_tier != "device" and not zp.keeps_full and i < len(grads) and grads[i] is not None:
+        if zp.param_tier != Tier.DEVICE and not zp.keeps_full and i < len(grads) and grads[i] is not None:
             with gm.graph.inserting_before(out):
                 host = gm.graph.call_function(torch.ops.zcompile.to_host.default, (grads[i],))
             host.meta["zc_tier"] = "cpu"
@@ -40,13 +41,13 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     moved = {"cpu": 0, "nvme": 0}
     for i, ph in pctx.param_placeholders(gm).items():
         zp = pctx.params[i]
-        if zp.param_tier == "device" or zp.keeps_full:
+        if zp.param_tier == Tier.DEVICE or zp.keeps_full:
             continue
         ph.meta["zc_tier"] = zp.param_tier
         users = [u for u in ph.users if u.op != "output"]
         if not users:
             continue
-        op, args = ((torch.ops.zcompile.to_device.default, (ph, device)) if zp.param_tier == "cpu" else
+        op, args = ((torch.ops.zcompile.to_device.default, (ph, device)) if zp.param_tier == Tier.CPU else
                     (torch.ops.zcompile.read_shard.default, (ph, zp.key, device)))
         reload = placement.at_first_use(graph, ph, users, order, lambda: graph.call_function(op, args))
         reload.meta["zc_note"] = (f"reload shard of param {list(zp.shape)} from {zp.param_tier} "

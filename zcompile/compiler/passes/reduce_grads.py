@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from zcompile.compiler import collectives
 from zcompile.kernels import weight_tiles  # noqa: F401  (zcompile::weight_tiles_grad)
+from zcompile.config import Stage
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -53,8 +54,8 @@ def _reduce(graph: fx.Graph, g: fx.Node, zp, pctx) -> fx.Node:
     """Reduction chain inserted at the current point; returns its wait node."""
     rdtype = pctx.cfg.mixed_precision.reduce_dtype
     world, group = pctx.dist.world, pctx.dist.group_name
-    scaled = _scaled(graph, g, rdtype, world, flat=pctx.cfg.stage >= 2)
-    if pctx.cfg.stage < 2:
+    scaled = _scaled(graph, g, rdtype, world, flat=pctx.cfg.stage >= Stage.GRADIENTS)
+    if pctx.cfg.stage < Stage.GRADIENTS:
         why = f"backward: average grad {list(zp.shape)} over {world} ranks (replicated)"
         out = collectives.all_reduce(graph, scaled, zp.numel, rdtype, group, why)
     else:
@@ -103,7 +104,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         g = grads[i]
         if g is None:
             continue
-        if g.target is torch.ops.zcompile.weight_tiles_grad.default and pctx.cfg.stage == 3 and not zp.keeps_full:
+        tiled_grad = g.target is torch.ops.zcompile.weight_tiles_grad.default
+        if tiled_grad and pctx.cfg.stage == Stage.PARAMETERS and not zp.keeps_full:
             wait = _reduce_tiles(graph, g, i, zp, pctx)
             tiled.append(g)
         else:

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from zcompile.compiler import collectives
 from zcompile.kernels import weight_tiles  # noqa: F401  (zcompile::weight_tiles)
+from zcompile.config import Stage
 
 aten = torch.ops.aten
 _CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
@@ -71,7 +72,7 @@ def _side_input(gm: fx.GraphModule, zp, pctx) -> fx.Node:
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
-    if pctx.cfg.stage < 2:
+    if pctx.cfg.stage < Stage.GRADIENTS:
         return gm
     graph = gm.graph
     order = {n: k for k, n in enumerate(graph.nodes)}  # users of placeholders are original nodes: computed once

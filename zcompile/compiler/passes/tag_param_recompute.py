@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from zcompile.config import Stage
 from torch.utils.checkpoint import CheckpointPolicy
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
-    if pctx.cfg.stage < 2:
+    if pctx.cfg.stage < Stage.GRADIENTS:
         return gm
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     primals = [n for n in placeholders if n.name.startswith("primals")]

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from zcompile.kernels import weight_tiles  # noqa: F401  (registers zcompile::weight_tiles)
+from zcompile.config import Stage
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
@@ -33,7 +34,7 @@ def _cast_of(node: fx.Node) -> bool:
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     tiling = pctx.cfg.tiling
-    if tiling is None or pctx.cfg.stage != 3:
+    if tiling is None or pctx.cfg.stage != Stage.PARAMETERS:
         return gm
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
