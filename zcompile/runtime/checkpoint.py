@@ -79,7 +79,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     dist.barrier(group=ctx.group)
     files = _checksums(partial, ctx)
     if ctx.rank == 0:
-        stages = sorted({zp.stage for _, p in _named_params(model) if (zp := shard_store.owner(p)) is not None})
+        stages = sorted({int(zp.stage) for _, p in _named_params(model) if (zp := shard_store.owner(p)) is not None})
         manifest = {"format": FORMAT, "kind": kind, "world": ctx.world, "stages": stages,
                     "optimizer": optimizer is not None, "files": files}
         _write_file(os.path.join(partial, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
@@ -108,7 +108,7 @@ def _sharded_state(module: nn.Module, optimizer) -> dict:
         if zp is None:
             raise CheckpointError(f"parameter '{name}' is not managed by zcompile yet: run one forward pass of the "
                                   "compiled model (or load a checkpoint) before saving")
-        stages.add(zp.stage)
+        stages.add(int(zp.stage))  # plain ints: torch.load(weights_only) refuses enums
         params[name] = (_local_values(zp) if zp.stage >= Stage.OPTIMIZER else p.detach()).clone()
     return {"stages": sorted(stages), "params": params,
             "buffers": {n: b.detach().clone() for n, b in module.named_buffers()},
@@ -277,7 +277,7 @@ def _load_dcp(directory: str, model: nn.Module, optimizer, cfg, ctx: DistContext
 
 
 def _plain_shards(module: nn.Module) -> list:
-    """ShardedParams of the module's parameters that are sharded (stage >= Stage.OPTIMIZER) but not DTensors."""
+    """ShardedParams of the module's parameters that are sharded (stages 1-3) but not DTensors."""
     return [zp for p in module.parameters() if not isinstance(p, DTensor)
             and (zp := shard_store.owner(p)) is not None and zp.stage >= Stage.OPTIMIZER]
 

@@ -53,7 +53,7 @@ class ShardedParam:
         if not param.is_floating_point():
             raise TypeError(f"zcompile shards floating-point parameters only, got {param.dtype}")
         self.param_ref = weakref.ref(param)
-        self.stage, self.rank, self.world = stage, ctx.rank, ctx.world
+        self.stage, self.rank, self.world = Stage(stage), ctx.rank, ctx.world
         self.group_name, self.group = ctx.group_name, ctx.group
         self.cross_fraction = 0.0  # of a world all-gather's bytes, the share crossing nodes (set by the backend)
         self.shape = tuple(param.shape)
