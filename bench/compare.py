@@ -258,8 +258,8 @@ def worker(rank: int, world: int, system: str, args) -> dict:
     gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     n = args.warmup + args.steps
     # tensor peak on CPU: live storages at a step's start + the allocator's highest rise in it
-    # (zcompile/runtime/allocator_peak.py); taken before the accounting step, after which DDP (run under a dispatch mode)
-    # keeps a gradient-sized list alive
+    # (zcompile/runtime/allocator_peak.py); taken before the accounting step, after which DDP (run under a dispatch
+    # mode) keeps a gradient-sized list alive
     tensor = None
     if device.type == "cpu":
         steps = iter(range(n, n + 3))

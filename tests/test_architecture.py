@@ -91,7 +91,8 @@ def _module_state() -> set[str]:
                 continue
             empty = isinstance(value, (ast.Dict, ast.List, ast.Set)) and not (
                 getattr(value, "keys", None) or getattr(value, "elts", None))
-            call = isinstance(value, ast.Call) and (getattr(value.func, "attr", None) or getattr(value.func, "id", None))
+            func = value.func if isinstance(value, ast.Call) else None
+            call = func is not None and (getattr(func, "attr", None) or getattr(func, "id", None))
             for t in targets:
                 if empty or call in _STATEFUL_CALLS or t.id in rebound:
                     found.add(f"{p.relative_to(ROOT).as_posix()} {t.id}")

@@ -12,9 +12,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.pass_graphs import call, context, node, ops, records, trace
 from zcompile.compiler import collectives
-from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_params, prefetch,
-                             quantize_gradients, quantize_weights, reduce_grads, secondary_partition, shard_params,
-                             tag_param_recompute, tile_linears)
+from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_params,
+                                      prefetch, quantize_gradients, quantize_weights, reduce_grads,
+                                      secondary_partition, shard_params, tag_param_recompute, tile_linears)
 
 GATHER = ["new_empty", "all_gather_into_tensor_out", "wait_tensor"]
 
@@ -78,7 +78,8 @@ def test_tile_linears_splits_a_big_linear_into_row_tiles():
                        "flatten", "narrow", "add"]
     tiles = call(gm, "weight_tiles")
     assert tiles.args == (node(gm, "w"), 2, 2, pctx.params[0].shard_numel // 4)
-    assert [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear][0].args[0].name == "x"
+    linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear]
+    assert linears[0].args[0].name == "x"
 
 
 # -- joint phase

@@ -336,22 +336,30 @@ def _read(raw, schema: dict, where: str, prefix: str = "") -> dict:
     return out
 
 
+def _set_away_from_default(values: dict):
+    """(dotted name, declaration) of every key set away from its default, and of every optional section given."""
+    for name, spec in SCHEMA.items():
+        value = values[name]
+        if not isinstance(spec, Section):
+            if value != spec.default:
+                yield name, spec
+            continue
+        if value is None:
+            continue
+        if spec.optional:
+            yield name, spec
+        for key, sub in spec.keys.items():
+            if value[key] != sub.default:
+                yield f"{name}.{key}", sub
+
+
 def _check_stages(values: dict, stage: int, where: str) -> None:
     """Keys set away from their default at a stage they do not apply to."""
-    def check(name, spec, value):
-        if stage in spec.stages:
-            return
-        default = None if isinstance(spec, Section) else spec.default
-        if value is not None and value != default:
+    for name, spec in _set_away_from_default(values):
+        if stage not in spec.stages:
             why = _WHY_STAGES.get(name, "").format(stage=stage)
             stages = " or ".join(map(str, spec.stages))
             raise ConfigError(f"{where}: key '{name}' needs stage {stages}" + (f" ({why})" if why else ""))
-
-    for name, spec in SCHEMA.items():
-        check(name, spec, values[name])
-        if isinstance(spec, Section) and values[name] is not None:
-            for key, sub in spec.keys.items():
-                check(f"{name}.{key}", sub, values[name][key])
 
 
 def _check_offload(o: Offload, where: str) -> None:
@@ -383,7 +391,8 @@ def _tiers(o: Offload) -> Offload:
 
 def from_dict(raw: dict, where: str = "<options>") -> Config:
     """Validate a raw mapping (parsed YAML) and build a Config."""
-    v = _read(raw if raw is not None else {}, SCHEMA, where)
+    raw = {} if raw is None else raw
+    v = _read(raw, SCHEMA, where)
     stage = Stage(v["stage"])
     _check_stages(v, stage, where)
     mp = MixedPrecision(DTYPES[v["mixed_precision"]["param_dtype"]], DTYPES[v["mixed_precision"]["reduce_dtype"]])
@@ -403,17 +412,16 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     cfg = Config(stage=stage, backend=v["backend"], mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
                  schedule_check=v["schedule_check"], collective_timeout_s=float(v["collective_timeout_s"]),
                  bucket_mb=float(v["bucket_mb"]), prefetch=v["prefetch"],
-                 memory_budget=raw.get("memory_budget") if raw else None, over_budget=v["over_budget"],
-                 persist_threshold=raw.get("persist_threshold", 0) if raw else 0, quantize_weights=qw,
+                 # the two sizes as given: a memory_budget fraction is resolved against the device later
+                 memory_budget=raw.get("memory_budget"), over_budget=v["over_budget"],
+                 persist_threshold=raw.get("persist_threshold", 0), quantize_weights=qw,
                  quantize_gradients=qg, hpz_partition_size=v["hpz_partition_size"],
                  ranks_per_node=v["ranks_per_node"], offload=offload, tiling=tiling, nonfinite=v["nonfinite"],
                  source=where)
-    enabled = {"quantize_weights": qw is not None, "quantize_gradients": qg is not None,
-               "hpz_partition_size": cfg.hpz_partition_size > 1, "offload.params": offload.params != "none",
-               "offload.activations": offload.activations != "none", "tiling": tiling is not None}
+    given = {name for name, _ in _set_away_from_default(v)}
     for pass_name, contract in CONTRACTS.items():
         key = contract.enabled_by
-        if key is not None and enabled[key] and pipeline is not None and pass_name not in pipeline:
+        if key in given and pipeline is not None and pass_name not in pipeline:
             raise ConfigError(f"{where}: key '{key}' is set but the 'pipeline' lacks the {pass_name} pass")
     try:
         check_pipeline(cfg.passes, stage)

@@ -99,8 +99,8 @@ def all_gather(graph: fx.Graph, shard: fx.Node, numel: int, dtype: torch.dtype, 
 
 
 def all_to_all(graph: fx.Graph, rows: fx.Node, numel: int, dtype: torch.dtype, group, why: str) -> fx.Node:
-    """Equal-split all-to-all of a flat [numel] tensor over `group` (a zcompile.runtime.groups.Group): row j goes to group
-    rank j, and row j of the result came from group rank j. Returns the wait node."""
+    """Equal-split all-to-all of a flat [numel] tensor over `group` (a zcompile.runtime.groups.Group): row j goes to
+    group rank j, and row j of the result came from group rank j. Returns the wait node."""
     split = [numel // group.size] * group.size
     a2a = graph.call_function(c10d.all_to_all_single.default, (rows, split, split, group.name))
     annotate(a2a, "all_to_all", numel * dtype.itemsize, group.name, why, numel, dtype, group.ranks)

@@ -1,1 +1,2 @@
-"""The runtime: sharded parameter state, DTensor parameters, offload tiers, process groups, checkpoints, and what runs around the optimizer step."""
+"""The runtime: sharded parameter state, DTensor parameters, offload tiers, process groups, checkpoints, and what
+runs around the optimizer step."""

@@ -391,7 +391,8 @@ def gather_full(zps: list[ShardedParam]) -> None:
         recv = torch.empty(send.numel() * items[0].world, dtype=send.dtype, device=send.device)
         all_gather_flat(recv, send, group)
         nbytes = recv.numel() * recv.element_size()
-        collective_traffic.count([{"op": "all_gather", "bytes": nbytes, "cross_bytes": round(nbytes * items[0].cross_fraction)}])
+        cross = round(nbytes * items[0].cross_fraction)
+        collective_traffic.count([{"op": "all_gather", "bytes": nbytes, "cross_bytes": cross}])
         per_rank = recv.view(items[0].world, -1)
         offset = 0
         for zp in items:
