@@ -38,11 +38,22 @@ def test_a_free_on_another_thread_counts_when_the_address_is_reused():
 
 
 def test_planner_bounds_the_measured_inductor_peak_and_smaller_buckets_lower_it():
-    base = {"stage": 3, "backend": "inductor", "prefetch": 0}
+    base = {"stage": 3, "backend": "inductor", "prefetch": 0, "regional_compile": False}
     peaks = {}
     for mb in (25, 0):
         peaks[mb] = run_world(2, workers.allocator_peaks, "gpt", dict(base, bucket_mb=mb))
         for r in peaks[mb]:
             assert 0 < r["measured"]["peak"] <= r["planned"], (mb, r)
-    # one gather per parameter holds fewer gathered bytes at once than one bucket for the whole model
+    # one gather per parameter holds fewer gathered bytes at once than one bucket per block
     assert max(r["measured"]["peak"] for r in peaks[0]) < min(r["measured"]["peak"] for r in peaks[25])
+
+
+def test_regional_compile_stays_within_the_plan():
+    """The default regional compile (one inductor graph per block): a collective in flight across two regions keeps
+    its input alive only where the library reads it until the wait (not gloo's reduce-scatter, which reads a copy;
+    holding its input too measured 4% above the plan). Lowest of 5 steps: a block gloo's thread frees counts as
+    freed only when its address is reused; with the lowest of 3, one of five runs read above the plan (usual
+    readings 1.83-1.85 MiB against 1.95 planned)."""
+    config = {"stage": 3, "backend": "inductor", "prefetch": 0, "bucket_mb": 25}
+    for r in run_world(2, workers.allocator_peaks, "gpt", config, repeats=5):
+        assert 0 < r["measured"]["peak"] <= r["planned"], r

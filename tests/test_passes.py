@@ -218,6 +218,30 @@ def test_bucket_collectives_merges_gathers_and_reductions():
     assert rec.op == "reduce_scatter" and rec.members == [12, 18] and rec.numel == 60
 
 
+def _in_block(gm: fx.GraphModule, target_ops: dict[str, str]) -> None:
+    """Give the named op's nodes a module stack, as dynamo records it for `blocks.<k>` of a model."""
+    for n in gm.graph.nodes:
+        path = target_ops.get(n.name)
+        if path is not None:
+            n.meta["nn_module_stack"] = {path: (path, torch.nn.Module)}
+
+
+def test_bucket_collectives_keeps_each_block_in_its_own_buckets():
+    """Two parameters used by two transformer blocks: one bucket each (FSDP2's per-block groups), forward and
+    backward, so every block's schedule is alike for the regional compile."""
+    cfg = {"stage": 3, "bucket_mb": 1}
+    fw_ctx = context(cfg, "forward", {0: (6, 4), 1: (6, 6)}, 3)
+    fw = trace(_two_linears_fw, (6, 4), (6, 6), (3, 4))
+    _in_block(fw, {"mm": "L['self'].blocks.0", "relu": "L['self'].blocks.0", "mm_1": "L['self'].blocks.1"})
+    fw = bucket_collectives.run(shard_params.run(fw, fw_ctx), fw_ctx)
+    assert [r.numel for r in records(fw)] == [24, 36] and "clone" not in ops(fw)
+    bw_ctx = context(cfg, "backward", {0: (6, 4), 1: (6, 6)}, 3)
+    bw = _bw_graph()
+    _in_block(bw, {"mm": "L['self'].blocks.0", "mm_1": "L['self'].blocks.1"})
+    bw = bucket_collectives.run(reduce_grads.run(bw, bw_ctx), bw_ctx)
+    assert [r.members for r in records(bw)] == [None, None]
+
+
 def test_bucket_collectives_with_zero_mb_keeps_one_collective_per_parameter():
     cfg = {"stage": 3, "bucket_mb": 0}
     bw_ctx = context(cfg, "backward", {0: (6, 4), 1: (6, 6)}, 3)

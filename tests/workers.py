@@ -387,10 +387,11 @@ def train_measured(rank: int, world: int, name: str, config: dict, steps: int = 
             "peaks": {r.kind: (r.planned_peak, r.measured_peak) for r in _lowest_runs(runs)}}
 
 
-def allocator_peaks(rank: int, world: int, name: str, config: dict) -> dict:
-    """Train 3 steps; then the allocator-measured tensor peak of 3 more, and the planner's step peak."""
+def allocator_peaks(rank: int, world: int, name: str, config: dict, repeats: int = 3) -> dict:
+    """Train 3 steps; then the allocator-measured tensor peak of `repeats` more (the lowest), and the planner's
+    step peak."""
     model, opt, _ = train(rank, world, name, config, 3)
-    steps = iter(range(3, 6))
+    steps = iter(range(3, 3 + repeats))
     measured = zcompile.step_tensor_peak(lambda: train(rank, world, name, config, 1, model=model, opt=opt,
-                                                       start=next(steps)))
+                                                       start=next(steps)), repeats=repeats)
     return {"measured": measured, "planned": zcompile.planned_step_peak()}

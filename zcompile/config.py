@@ -84,6 +84,9 @@ SCHEMA: dict[str, Any] = {
                  choices=STAGES),
     "backend": Key((str,), "inductor", "graph compiler: 'inductor' (Triton on GPU, C++ on CPU) or 'eager' (FX code "
                    "as-is)", choices=("inductor", "eager")),
+    "regional_compile": Key((bool,), True, "inductor: cut each graph where it moves to the next block (an item of a "
+                            "ModuleList) and compile every distinct region once: repeated blocks share one compile, "
+                            "so compile time stays flat in depth; false: one inductor graph per forward/backward"),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
@@ -209,6 +212,7 @@ class Tiling:
 class Config:
     stage: Stage = Stage(SCHEMA["stage"].default)
     backend: str = SCHEMA["backend"].default
+    regional_compile: bool = SCHEMA["regional_compile"].default
     mixed_precision: MixedPrecision = MixedPrecision()
     dump: str | None = SCHEMA["dump"].default
     pipeline: tuple[str, ...] | None = SCHEMA["pipeline"].default
@@ -409,7 +413,7 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
         pipeline = tuple(pipeline)
     qw, qg, tiling = (None if v[k] is None else cls(**v[k]) for k, cls in (
         ("quantize_weights", QuantizeWeights), ("quantize_gradients", QuantizeGradients), ("tiling", Tiling)))
-    cfg = Config(stage=stage, backend=v["backend"], mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
+    cfg = Config(stage=stage, backend=v["backend"], regional_compile=v["regional_compile"], mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
                  schedule_check=v["schedule_check"], collective_timeout_s=float(v["collective_timeout_s"]),
                  bucket_mb=float(v["bucket_mb"]), prefetch=v["prefetch"],
                  # the two sizes as given: a memory_budget fraction is resolved against the device later

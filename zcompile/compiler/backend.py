@@ -14,8 +14,10 @@ masters, the compiled graph and the function that runs it. `zcompile plan` compi
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import time
 import weakref
 
 import torch
@@ -128,6 +130,16 @@ class _GraphCompile:
         self.notes: list[str] = []  # planner decisions, shown at the top of every dump of this graph
         self.num_fwd_outputs = 0
         self.offloaded: dict[str, int] = {}  # saved activations the forward sends to the host, by name
+        self.times: dict[str, float] = {}  # seconds spent per compile phase (bench/compile_time.py reads them)
+        self.regions: dict[str, tuple[int, int]] = {}  # graph kind -> (regions, distinct regions compiled)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
     def pctx(self, kind: str, offloaded: dict | None = None) -> PassContext:
         return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args, self.topology,
@@ -145,10 +157,12 @@ class _GraphCompile:
         if trial is None:
             gm.meta["zc_notes"] = list(self.notes)
             self.dump(kind, "input", gm)
-        gm = passes.run_phase("split", gm, pctx, None if trial is not None else self.dumper(kind))
-        collectives.mark_cross_node(gm, self.topology, range(self.ctx.world))
-        _set_placeholder_vals(gm, pctx)
-        _refresh_meta(gm)
+        with self.timed("zcompile passes"):
+            gm = passes.run_phase("split", gm, pctx, None if trial is not None else self.dumper(kind))
+            collectives.mark_cross_node(gm, self.topology, range(self.ctx.world))
+            _set_placeholder_vals(gm, pctx)
+        with self.timed("fake propagation"):
+            _refresh_meta(gm)
         if trial is None:
             self.final[kind] = gm
         return gm, pctx
@@ -220,8 +234,11 @@ class _GraphCompile:
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         self.dump("joint", "input", joint)
-        joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        with self.timed("zcompile passes"):
+            joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
+        with self.timed("partition"):
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                         **kwargs)
         self.num_fwd_outputs = num_fwd_outputs
         self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
@@ -262,8 +279,10 @@ class _GraphCompile:
                        or not isinstance(example_inputs[k], torch.Tensor) else _on_tier(n, example_inputs[k])
                        for k, n in enumerate(phs)]
         if not _propagated_for(phs, fake_inputs):
-            _refresh_meta(gm, fake_inputs)
-        planned = self.planned[kind] = liveness.analyze(gm)
+            with self.timed("fake propagation"):
+                _refresh_meta(gm, fake_inputs)
+        with self.timed("liveness"):
+            planned = self.planned[kind] = liveness.analyze(gm)
         if not self.commit:
             return _dry_runner(gm)
         return self.commit_graph(kind, gm, fake_inputs, pctx, planned)
@@ -279,7 +298,10 @@ class _GraphCompile:
                 zp.attach_master()
             made = {g.name: groups.realize(self.ctx, g, self.cfg.collective_timeout_s).name for g in pctx.subgroups}
         collectives.rename_groups(gm, made)
-        compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind)
+        with self.timed(f"{self.cfg.backend} {kind}"):
+            compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind, self.cfg.regional_compile)
+        if hasattr(compiled, "regions"):
+            self.regions[kind] = (compiled.regions, compiled.compiled)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
         reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]
@@ -402,6 +424,7 @@ def dry_backend(cfg: zconfig.Config, ctx: DistContext, jobs: list):
 def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx: DistContext, commit: bool):
     """One dynamo graph through the passes and AOTAutograd: (its _GraphCompile, the function dynamo calls)."""
     example_inputs = list(example_inputs)
+    _refuse_nested_regions(gm)
     example_inputs, dparams, dropped = dtensor_params.unwrap_graph(gm, example_inputs)
     is_param = [isinstance(x, nn.Parameter) or i in dparams for i, x in enumerate(example_inputs)]
     identity = schedule_check.graph_identity(gm, example_inputs, is_param, cfg)
@@ -419,7 +442,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
     params = dict(sorted(params.items()))
     job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text, commit)
     job.dump("dynamo", "input", gm)
-    gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
+    with job.timed("zcompile passes"):
+        gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 
     compiled = aot_autograd(
         fw_compiler=functools.partial(_boxed, job, "forward"),
@@ -440,6 +464,19 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
 
     run.zc_job = job
     return job, run
+
+
+def _refuse_nested_regions(gm: fx.GraphModule) -> None:
+    """A region the user marked with torch.compiler.nested_compile_region reaches the backend as one opaque call
+    (invoke_subgraph): its parameter uses are hidden from the passes, which would leave them unsharded."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph:
+            where = (n.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+            raise ZCompileError(
+                "the model calls a torch.compiler.nested_compile_region (" + (" ".join(w.strip() for w in where)
+                                                                               or n.name)
+                + "): zcompile must see the parameter uses inside it to shard them. Remove the decorator: zcompile "
+                "compiles repeated blocks once by itself (regional_compile, docs/compile-time.md)")
 
 
 class _ParametersSharded(torch._dynamo.exc.RestartAnalysis, ZeroError):

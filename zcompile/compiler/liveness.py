@@ -65,19 +65,28 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _input_held_until_wait(node: fx.Node) -> bool:
-    """Whether the communication library keeps a collective's input alive until its wait: all-gathers do; NCCL's
-    reduce-scatter does; all-to-alls are assumed to (not measured); gloo's reduce-scatter copies its input when
-    issued (measured: planned == measured with this rule, tests/test_planner.py); a functional all-reduce works on
-    its own copy, the input is free at issue."""
+def _on_host(node: fx.Node) -> bool:
+    val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    return val is not None and val.device.type == "cpu"
+
+
+def input_held_until_wait(node: fx.Node) -> bool:
+    """Whether the communication library reads a collective's input until its wait: all-gathers and all-to-alls do,
+    and NCCL's reduce-scatter. Gloo's reduce-scatter copies its input at issue and reads the copy (see
+    gloo_copy_bytes); a functional all-reduce works on its own copy, which is its output."""
     rec = collectives.record(node)
-    op = rec.op if rec is not None else None
-    if op in ("all_gather", "all_to_all"):
-        return True
-    if op == "reduce_scatter":
-        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        return val is None or val.device.type != "cpu"
-    return False
+    if rec is None:
+        return False
+    return rec.op in ("all_gather", "all_to_all") or rec.op == "reduce_scatter" and not _on_host(node)
+
+
+def gloo_copy_bytes(node: fx.Node) -> int:
+    """Bytes of the copy of its input that gloo's reduce-scatter makes at issue, in C++, and holds until the work
+    completes: alive from the collective to its wait (the allocator sees it, tests/test_allocator_peak.py)."""
+    rec = collectives.record(node)
+    if rec is None or rec.op != "reduce_scatter" or not _on_host(node):
+        return 0
+    return _nbytes(node.args[0].meta["val"])
 
 
 def analyze(gm: fx.GraphModule) -> Liveness:
@@ -113,11 +122,17 @@ def analyze(gm: fx.GraphModule) -> Liveness:
                 last_use[key] = k
     position = {n: k for k, n in enumerate(nodes)}
     for n in nodes:
-        if _input_held_until_wait(n):
+        if input_held_until_wait(n):
             waits = [position[w] for w in collectives.waits_of(n)]
             for a in n.all_input_nodes:
                 for key in storages_of.get(a, []):
                     last_use[key] = max([last_use.get(key, 0)] + waits)
+        copy = gloo_copy_bytes(n)
+        if copy:
+            key = ("gloo copy", n.name)
+            size[key] = copy
+            storages_of[n] = storages_of[n] + [key]
+            last_use[key] = max([position[n]] + [position[w] for w in collectives.waits_of(n)])
     for a in gm.graph.output_node().all_input_nodes:
         for key in storages_of.get(a, []):
             last_use[key] = len(nodes)

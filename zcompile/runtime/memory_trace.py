@@ -20,6 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+_C10D = torch.ops._c10d_functional
+
 
 @dataclasses.dataclass
 class GraphRun:
@@ -38,6 +40,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.bytes = 0
         self.peak = 0
         self.trace: list[int] = []
+        self.copies: dict[StorageWeakRef, int] = {}  # a collective's output -> bytes of gloo's copy of its input
 
     def track(self, tensors) -> None:
         for t in tree_flatten(tensors)[0]:
@@ -56,6 +59,14 @@ class LiveStorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self._drop_freed()  # what the generated code released since the last op
         self.track(out)
+        if func is _C10D.reduce_scatter_tensor.default and args[0].device.type == "cpu":
+            # gloo reads a copy of the input that it makes in C++, out of this mode's sight, and holds it until
+            # the work completes (the allocator sees it: allocator_peak); counted until the wait
+            self.copies[StorageWeakRef(out.untyped_storage())] = args[0].untyped_storage().nbytes()
+            self.bytes += self.copies[StorageWeakRef(out.untyped_storage())]
+            self.peak = max(self.peak, self.bytes)
+        elif func is _C10D.wait_tensor.default:
+            self.bytes -= self.copies.pop(StorageWeakRef(args[0].untyped_storage()), 0)
         self.trace.append(self.bytes)
         return out
 

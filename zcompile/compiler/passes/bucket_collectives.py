@@ -1,13 +1,15 @@
 """bucket_collectives: fuse per-parameter all-gathers, reduce-scatters and all-reduces into coalesced collectives.
 
-Consecutive all-gathers (in order of first use) are merged, up to `bucket_mb` per bucket, into one flat all-gather
-of the members' concatenated shards, issued where the bucket's first member was and waited on before the first
-member's first use; each member is then copied out of the rank-major result ([rank][member][shard]) at once, so the
-flat buffer dies right away (as FSDP2's copy-out). Reduce-scatters are merged into one flat `reduce_scatter_tensor` over
-the members' rank-major concatenation (all-reduces at stages 0/1 into one `all_reduce_coalesced`), issued once
-the bucket's last gradient exists and waited on before the next bucket is issued (collectives.limit_in_flight), so
-the backward keeps computing while one bucket is reduced. One collective per bucket instead of one per parameter: fewer launches and
-fewer small messages. The dump names every bucket's members.
+Consecutive all-gathers (in order of first use) are merged, up to `bucket_mb` per bucket and never across two
+blocks (items of a ModuleList, as FSDP2 wraps them: every block's schedule is then alike, which the regional compile
+needs), into one flat all-gather of the members' concatenated shards, issued where the bucket's first member was and
+waited on before the first member's first use; each member is then copied out of the rank-major result
+([rank][member][shard]) at once, so the flat buffer dies right away (as FSDP2's copy-out). Reduce-scatters are
+merged the same way into one flat `reduce_scatter_tensor` over the members' rank-major concatenation (all-reduces at
+stages 0/1 into one `all_reduce_coalesced`), issued once the bucket's last gradient exists and waited on before the
+next bucket is issued (collectives.limit_in_flight), so the backward keeps computing while one bucket is reduced.
+One collective per bucket instead of one per parameter: fewer launches and fewer small messages. The dump names
+every bucket's members.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import collectives
+from zcompile.compiler import blocks, collectives
 from zcompile.compiler.passes import placement
 
 aten = torch.ops.aten
@@ -27,9 +29,26 @@ def _single(node: fx.Node, op: str) -> bool:
     return collectives.is_op(node, op) and node.target in collectives.COLLECTIVE_OPS
 
 
+def _block(node: fx.Node) -> str | None:
+    """The repeated module (transformer block) a collective serves: the block of the nearest op that uses the
+    gathered parameter, or that computed the gradient being reduced."""
+    frontier, seen = [node], set()
+    downstream = not collectives.is_op(node, "reduce_scatter") and not collectives.is_op(node, "all_reduce")
+    for _ in range(8):
+        step = [m for n in frontier for m in (n.users if downstream else n.all_input_nodes) if m not in seen]
+        seen.update(step)
+        found = blocks.first_block(step)
+        if found is not None or not step:
+            return found
+        frontier = step
+    return None
+
+
 def _bucket_key(node: fx.Node) -> tuple:
     comm = collectives.record(node)
-    return comm.dtype, comm.group, comm.tile  # a weight tile is its own bucket (tile_linears)
+    # a weight tile is its own bucket (tile_linears); a bucket stays within one block, so every block's schedule
+    # is alike and the regional compile compiles it once
+    return comm.dtype, comm.group, comm.tile, _block(node)
 
 
 def _buckets(nodes: list[fx.Node], cap_bytes: float) -> list[list[fx.Node]]:

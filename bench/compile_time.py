@@ -1,0 +1,194 @@
+"""Compile time against model depth: zcompile vs FSDP2 + torch.compile and single-process torch.compile.
+
+    python bench/compile_time.py --layers 2,8,16,32                          # CPU, gloo, world 2
+    python bench/compile_time.py --layers 8 --systems zcompile_z3 --world 2  # one point
+
+For each system and depth (GPT, d=128, 4 heads, bench/compare.py's data: 4x128 tokens per rank) two launches in
+fresh processes: cold (an empty inductor cache directory) and warm (the same directory again, as a second launch of
+a job would find it). Compile time = first step - median of the next steps. Reports per run: compile time, step time,
+where zcompile's compile time goes (dynamo tracing, AOTAutograd and its partitioner, zcompile's passes, fake
+propagation, liveness, inductor per graph), inductor's FX graph cache and AOTAutograd cache hits/misses, and for
+zcompile how many graph regions ran and how many distinct ones were compiled (backends/regions.py). Writes a
+Markdown table, a JSON file and a PNG plot to bench/results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compare  # noqa: E402
+from zcompile.tools.launch import WorkerFailed, run_world  # noqa: E402
+from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
+
+SYSTEMS = {
+    "torch_compile_1proc": None,  # plain torch.compile, one process, no sharding: the floor
+    "fsdp2_compile": compare.setup_fsdp2_compile,  # fully_shard per block + torch.compile(model)
+    "zcompile_z2": compare._zcompile(2),
+    "zcompile_z3": compare._zcompile(3),
+    "zcompile_z3_whole_graph": compare._zcompile(3, regional_compile=False),  # one inductor graph per fw/bw
+    "zcompile_z3_zeropp": compare.setup_zeropp,
+}
+
+
+def _plain_compile(model, world, device, args):
+    run = torch.compile(model)
+    return compare._plain_step(run, torch.optim.AdamW(model.parameters(), lr=compare.LR, foreach=True),
+                               model.parameters)
+
+
+def _dynamo_phases() -> dict:
+    """Seconds per phase from torch's own compile timers (the same that TORCH_LOGS=dynamo prints)."""
+    from torch._dynamo.utils import compilation_time_metrics as m
+    total = lambda key: sum(m.get(key, []))  # noqa: E731
+    dynamo = total("_compile.compile_inner")
+    return {"dynamo total": dynamo, "dynamo tracing": max(dynamo - total("OutputGraph.call_user_compiler"), 0.0),
+            "aot trace joint": total("aot_trace_joint_graph"), "inductor": total("compile_fx_inner"),
+            "backward compile (lazy)": total("backward._backward_impl")}
+
+
+def _cache_counters() -> dict:
+    from torch._dynamo.utils import counters
+    return {"fx graph cache hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fx graph cache miss": counters["inductor"]["fxgraph_cache_miss"],
+            "aot cache hit": counters["aot_autograd"]["autograd_cache_hit"],
+            "aot cache miss": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
+def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
+    torch.manual_seed(0)
+    device = torch.device("cpu")
+    model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=layers, n_head=4, n_embd=128))
+    setup = _plain_compile if system == "torch_compile_1proc" else SYSTEMS[system]
+    step = setup(model, world, device, args)
+    times = []
+    for i in range(1 + args.steps):
+        x = compare.batch(i, rank, world, args.micro, args.seq, device)
+        t0 = time.perf_counter()
+        loss, _ = step(x)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times[1:])
+    out = {"first_s": times[0], "step_s": median, "compile_s": max(times[0] - median, 0.0),
+           "loss": loss.item(), "phases": _dynamo_phases(), "cache": _cache_counters()}
+    if system.startswith("zcompile"):
+        from zcompile.compiler import backend
+        jobs = list(backend._COMPILED)
+        phases: dict = {}
+        for job in jobs:
+            for k, v in job.times.items():
+                phases[k] = phases.get(k, 0.0) + v
+        out["zcompile_phases"] = phases
+        out["regions"] = {f"{job.graph_id}:{kind}": r for job in jobs for kind, r in job.regions.items()}
+    return out
+
+
+def run_one(system: str, layers: int, cache_dir: str, args) -> dict:
+    world = 1 if system == "torch_compile_1proc" else args.world
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    try:
+        return run_world(world, worker, system, layers, args, timeout=args.timeout, env=env)[0]
+    except WorkerFailed as e:
+        last = e.errors[min(e.errors)].strip().splitlines()[-1]
+        print(f"--- {system} {layers} layers failed:\n{e.errors[min(e.errors)]}", file=sys.stderr)
+        return {"error": last}
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    out = [header, "",
+           "| system | layers | step (ms) | cold compile (s) | warm compile (s) | cold: dynamo tracing / zcompile "
+           "passes+analysis / inductor (s) | warm: FX graph cache hit/miss, AOT cache hit/miss | regions run / "
+           "compiled (fw, bw) | final loss |",
+           "|---|---:|---:|---:|---:|---|---|---|---:|"]
+    for r in rows:
+        cold, warm = r["cold"], r["warm"]
+        if "error" in cold or "error" in warm:
+            out.append(f"| {r['system']} | {r['layers']} | failed: {(cold.get('error') or warm.get('error'))[:120]} |")
+            continue
+        p, z = cold["phases"], cold.get("zcompile_phases", {})
+        ours = sum(v for k, v in z.items() if not k.startswith(("inductor", "eager")))
+        c = warm["cache"]
+        regions = ", ".join(f"{a}/{b}" for a, b in cold.get("regions", {}).values()) or "-"
+        out.append(f"| {r['system']} | {r['layers']} | {warm['step_s'] * 1e3:.0f} | {cold['compile_s']:.1f} | "
+                   f"{warm['compile_s']:.1f} | {p['dynamo tracing']:.1f} / {ours:.1f} / {p['inductor']:.1f} | "
+                   f"{c['fx graph cache hit']}/{c['fx graph cache miss']}, {c['aot cache hit']}/{c['aot cache miss']} "
+                   f"| {regions} | {warm['loss']:.4f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        ok = [r for r in rows if r["system"] == system and "error" not in r["cold"] and "error" not in r["warm"]]
+        xs = [r["layers"] for r in ok]
+        a.plot(xs, [r["cold"]["compile_s"] for r in ok], "o-", label=system)
+        b.plot(xs, [r["warm"]["compile_s"] for r in ok], "o-", label=system)
+    a.set_title("cold compile (s)")
+    b.set_title("warm compile (s)")
+    for ax in (a, b):
+        ax.set_xlabel("layers")
+        ax.set_xscale("log", base=2)
+    a.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="2,4,8,16,32")
+    ap.add_argument("--systems", default="torch_compile_1proc,fsdp2_compile,zcompile_z3,zcompile_z3_whole_graph")
+    ap.add_argument("--whole-graph-up-to", type=int, default=16,
+                    help="zcompile_z3_whole_graph only up to this depth (its compile grows with depth)")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for layers in [int(x) for x in args.layers.split(",")]:
+        for system in args.systems.split(","):
+            if system == "zcompile_z3_whole_graph" and layers > args.whole_graph_up_to:
+                continue
+            with tempfile.TemporaryDirectory(prefix="zc-inductor-cache-") as cache:
+                t0 = time.time()
+                row = {"system": system, "layers": layers, "cold": run_one(system, layers, cache, args)}
+                row["warm"] = run_one(system, layers, cache, args)
+            rows.append(row)
+            ok = "error" not in row["cold"] and "error" not in row["warm"]
+            print(f"{system} {layers} layers: " + (f"cold {row['cold']['compile_s']:.1f} s, warm "
+                  f"{row['warm']['compile_s']:.1f} s, step {row['warm']['step_s'] * 1e3:.0f} ms" if ok else "failed")
+                  + f" ({time.time() - t0:.0f} s)", flush=True)
+    header = (f"### Compile time vs depth: GPT d=128, world {args.world} (gloo), CPU ({os.cpu_count()} cores), "
+              f"{args.micro}x{args.seq} tokens/rank, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    md = markdown(rows, header)
+    print(md)
+    base = os.path.join(args.out, "compile_time" + (f"-{args.tag}" if args.tag else ""))
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    with open(base + ".json", "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    plot(rows, base + ".png", header[4:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Regional compile (zcompile/compiler/backends/regions.py), single process: the cut points, that repeated blocks
+share one compiled region whatever the depth, that the program matches the model and drops each value after its
+last reader. (The 2-rank inductor runs in test_parity, test_zeropp and test_offload go through it with collectives.)"""
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from zcompile.compiler import collectives
+from zcompile.compiler.backends import regions
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(self.ln(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int, d: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x).sum()
+
+
+def compile_net(depth: int):
+    """Net(depth) through dynamo and AOTAutograd, each graph run as a RegionProgram of eagerly run regions."""
+    torch.manual_seed(0)
+    net = Net(depth)
+    programs, compiled = {}, []
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            def compile_one(sub, fakes):
+                compiled.append((kind, sub))
+                return make_boxed_func(sub.forward)
+            programs[kind] = regions.compile_regions(gm, example_inputs, compile_one)
+            return programs[kind]
+        return compile_graph
+
+    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")))
+    return net, run, programs
+
+
+def test_repeated_blocks_compile_once_at_any_depth_and_match_the_model():
+    x = torch.randn(4, 16)
+    counts = {}
+    for depth in (3, 6):
+        torch._dynamo.reset()
+        net, run, programs = compile_net(depth)
+        loss = run(x)
+        loss.backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad()
+        ref = net(x)
+        ref.backward()
+        assert torch.allclose(loss, ref, atol=1e-6)
+        for g, p in zip(grads, net.parameters()):
+            assert torch.allclose(g, p.grad, atol=1e-6)
+        counts[depth] = {k: (p.regions, p.compiled) for k, p in programs.items()}
+        for kind, p in programs.items():
+            assert p.regions >= depth, (kind, p.regions)  # one region per block at least
+            assert p.compiled < p.regions, (kind, p.regions, p.compiled)
+    # twice the blocks, the same distinct regions: compile cost does not grow with depth
+    assert {k: c for k, (_, c) in counts[3].items()} == {k: c for k, (_, c) in counts[6].items()}, counts
+
+
+def test_each_value_is_dropped_after_its_last_reader():
+    torch._dynamo.reset()
+    _, run, programs = compile_net(4)
+    run(torch.randn(4, 16)).backward()
+    for kind, p in programs.items():
+        kept = {o for o in p.outputs if isinstance(o, int)}
+        freed = [i for _, _, _, before, after in p.steps for i in before + after]
+        assert len(freed) == len(set(freed)), f"{kind}: a slot freed twice"
+        last_read = {}
+        for k, (_, ins, _, _, _) in enumerate(p.steps):
+            for i in ins:
+                last_read[i] = k
+        for i, k in last_read.items():
+            if i not in kept:
+                assert i in p.steps[k][3], f"{kind}: slot {i} is kept after its last reader (step {k})"
+        assert p._boxed_call  # AOTAutograd hands it the argument list, which it clears (inputs die early)
+
+
+def _node(g: fx.Graph, target, args, block: str) -> fx.Node:
+    n = g.call_function(target, args)
+    n.meta["nn_module_stack"] = {block: (block, Block)}
+    return n
+
+
+def test_no_cut_separates_a_tuple_from_its_items():
+    """var_mean of block 0 returns a tuple that block 1 reads: the region boundary moves past it."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 16)
+    vm = _node(g, torch.ops.aten.var_mean.correction, (x, [1]), "L['self'].blocks.0")
+    vm.meta["val"] = torch.var_mean(x.meta["val"], [1])
+    relu = _node(g, torch.ops.aten.relu.default, (x,), "L['self'].blocks.1")
+    relu.meta["val"] = x.meta["val"]
+    mean = _node(g, lambda t, i: t[i], (vm, 1), "L['self'].blocks.1")
+    mean.meta["val"] = vm.meta["val"][1]
+    add = _node(g, torch.ops.aten.add.Tensor, (relu, mean), "L['self'].blocks.2")
+    add.meta["val"] = x.meta["val"]
+    g.output((add,))
+    cut = regions.split(g)
+    where = {n: k for k, r in enumerate(cut) for n in r}
+    assert where[vm] == where[mean], cut  # the tuple never crosses a cut
+    assert where[add] != where[vm], cut  # block 2 still starts a region
+
+
+def test_a_collective_in_flight_across_a_cut_keeps_its_input_until_the_wait_has_run():
+    """An all-gather started in block 0's region and waited on in block 1's: its input (a temporary) is an output
+    of the first region and is dropped only after the second has run. Inductor would otherwise reuse the input's
+    buffer inside the first region while the collective still reads it (wrong parameters; test_parity caught it)."""
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(8)
+    flat = _node(g, torch.ops.aten.relu.default, (x,), "L['self'].blocks.0")
+    flat.meta["val"] = x.meta["val"]
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (flat, 2, "0"))
+    ag.meta["val"] = torch.randn(16)
+    collectives.annotate(ag, "all_gather", 64, "0", "test: prefetch", 16, torch.float32, (0, 1))
+    work = _node(g, torch.ops.aten.neg.default, (x,), "L['self'].blocks.1")
+    work.meta["val"] = x.meta["val"]
+    wait = g.call_function(c10d.wait_tensor.default, (ag,))
+    wait.meta["val"] = ag.meta["val"]
+    g.output((work, wait))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    compiled = []
+    program = regions.compile_regions(gm, [x.meta["val"]], lambda sub, fakes: compiled.append(sub) or sub)
+    assert program.regions == 2
+    (first_outputs,) = [list(n.args[0]) for n in compiled[0].graph.nodes if n.op == "output"]
+    assert len(first_outputs) == 2  # the gather and its input, held for the wait
+    steps = program.steps
+    pinned = steps[0][2][0]  # flat's slot
+    assert pinned not in steps[0][3] + steps[0][4] and pinned in steps[1][4] and pinned not in steps[1][3]
+
+
+class MarkedBlock(Block):
+    forward = torch.compiler.nested_compile_region(Block.forward)
+
+
+def _compile_marked_blocks(rank: int, world: int) -> str:
+    from zcompile.errors import ZCompileError
+    net = Net(2)
+    net.blocks = nn.ModuleList(MarkedBlock(16) for _ in range(2))
+    run = torch.compile(net, backend="zero", options={"config": {"stage": 3, "backend": "eager"}})
+    try:
+        run(torch.randn(4, 16))
+    except ZCompileError as e:
+        return str(e)
+    return "compiled"
+
+
+def test_a_user_marked_nested_compile_region_is_refused_with_the_reason():
+    from tests.harness import run_world
+    (message,) = run_world(1, _compile_marked_blocks)
+    assert "nested_compile_region" in message and "Remove the decorator" in message, message
