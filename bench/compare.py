@@ -319,13 +319,21 @@ def markdown(rows: list[dict], args, header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (saying so) when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     ok = [r for r in rows if "error" not in r]
     names = [r["system"] for r in ok]

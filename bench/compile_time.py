@@ -34,7 +34,8 @@ SYSTEMS = {
     "torch_compile_1proc": None,  # plain torch.compile, one process, no sharding: the floor
     "fsdp2_compile": compare.setup_fsdp2_compile,  # fully_shard per block + torch.compile(model)
     "zcompile_z2": compare._zcompile(2),
-    "zcompile_z3": compare._zcompile(3),
+    "zcompile_z3": compare._zcompile(3),  # regional_compile 'auto'
+    "zcompile_z3_regional": compare._zcompile(3, regional_compile=True),  # regions at any depth
     "zcompile_z3_whole_graph": compare._zcompile(3, regional_compile=False),  # one inductor graph per fw/bw
     "zcompile_z3_zeropp": compare.setup_zeropp,
 }
@@ -125,12 +126,8 @@ def markdown(rows: list[dict], header: str) -> str:
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = compare.pyplot()
+    if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     for system in dict.fromkeys(r["system"] for r in rows):

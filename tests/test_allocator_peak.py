@@ -54,6 +54,6 @@ def test_regional_compile_stays_within_the_plan():
     holding its input too measured 4% above the plan). Lowest of 5 steps: a block gloo's thread frees counts as
     freed only when its address is reused; with the lowest of 3, one of five runs read above the plan (usual
     readings 1.83-1.85 MiB against 1.95 planned)."""
-    config = {"stage": 3, "backend": "inductor", "prefetch": 0, "bucket_mb": 25}
+    config = {"stage": 3, "backend": "inductor", "prefetch": 0, "bucket_mb": 25, "regional_compile": True}
     for r in run_world(2, workers.allocator_peaks, "gpt", config, repeats=5):
         assert 0 < r["measured"]["peak"] <= r["planned"], r

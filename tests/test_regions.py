@@ -77,6 +77,23 @@ def test_repeated_blocks_compile_once_at_any_depth_and_match_the_model():
     assert {k: c for k, (_, c) in counts[3].items()} == {k: c for k, (_, c) in counts[6].items()}, counts
 
 
+def test_auto_compiles_regions_only_where_they_repeat():
+    """min_reuse (regional_compile 'auto'): a shallow graph compiles as one graph (None), a deep one by regions."""
+    seen = {}
+    for depth in (2, 12):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+
+        def fw_compiler(gm, example_inputs, depth=depth):
+            seen[depth] = regions.compile_regions(gm, example_inputs, lambda sub, fakes: make_boxed_func(sub.forward),
+                                                  min_reuse=2.0)
+            return seen[depth] if seen[depth] is not None else make_boxed_func(gm.forward)
+        run = torch.compile(Net(depth), backend=aot_autograd(fw_compiler=fw_compiler))
+        run(torch.randn(4, 16)).backward()
+    assert seen[2] is None
+    assert seen[12] is not None and seen[12].regions >= 2 * seen[12].compiled, (seen[12].regions, seen[12].compiled)
+
+
 def test_each_value_is_dropped_after_its_last_reader():
     torch._dynamo.reset()
     _, run, programs = compile_net(4)
@@ -170,3 +187,15 @@ def test_a_user_marked_nested_compile_region_is_refused_with_the_reason():
     from tests.harness import run_world
     (message,) = run_world(1, _compile_marked_blocks)
     assert "nested_compile_region" in message and "Remove the decorator" in message, message
+
+
+def test_regional_inductor_stage3_matches_the_reference():
+    """Forced on (the small model is below 'auto''s threshold): regions, collectives in flight across cuts and the
+    program's frees on 2 gloo ranks, against the single-process reference (this caught the in-flight input bug)."""
+    from tests import workers
+    from tests.harness import run_world
+    from tests.test_parity import TOL, max_diff
+    ref_params, ref_losses = workers.reference("gpt", 2, steps=5)
+    config = {"stage": 3, "backend": "inductor", "regional_compile": True}
+    for rank, res in enumerate(run_world(2, workers.parity_with_config, "gpt", config)):
+        assert max_diff(res["params"], ref_params) < TOL

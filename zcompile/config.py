@@ -84,9 +84,11 @@ SCHEMA: dict[str, Any] = {
                  choices=STAGES),
     "backend": Key((str,), "inductor", "graph compiler: 'inductor' (Triton on GPU, C++ on CPU) or 'eager' (FX code "
                    "as-is)", choices=("inductor", "eager")),
-    "regional_compile": Key((bool,), True, "inductor: cut each graph where it moves to the next block (an item of a "
-                            "ModuleList) and compile every distinct region once: repeated blocks share one compile, "
-                            "so compile time stays flat in depth; false: one inductor graph per forward/backward"),
+    "regional_compile": Key((str, bool), "auto", "inductor: cut each graph where it moves to the next block (an item "
+                            "of a ModuleList) and compile every distinct region once, so compile time stays flat in "
+                            "depth; 'auto': only where regions repeat (at least twice as many regions as distinct "
+                            "ones), else one graph; false: always one inductor graph per forward/backward",
+                            choices=("auto", True, False)),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
@@ -212,7 +214,7 @@ class Tiling:
 class Config:
     stage: Stage = Stage(SCHEMA["stage"].default)
     backend: str = SCHEMA["backend"].default
-    regional_compile: bool = SCHEMA["regional_compile"].default
+    regional_compile: str | bool = SCHEMA["regional_compile"].default
     mixed_precision: MixedPrecision = MixedPrecision()
     dump: str | None = SCHEMA["dump"].default
     pipeline: tuple[str, ...] | None = SCHEMA["pipeline"].default

@@ -399,6 +399,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     cfg = frozen_config(options)
     ctx = DistContext.current()
     set_group_timeout(ctx, cfg.collective_timeout_s)
+    _refuse_nested_regions(gm)  # before sharding: with DTensor parameters torch 2.11's dynamo fails on them itself
     if cfg.stage >= Stage.OPTIMIZER:
         _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
     job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=True)

@@ -7,8 +7,13 @@ from typing import Callable
 import torch.fx as fx
 
 
-def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str, regional: bool = False) -> Callable:
-    """Compile `gm`; the result takes a list of inputs (boxed calling convention) and returns a list/tuple."""
+AUTO_MIN_REUSE = 2.0  # regional_compile 'auto': at least this many regions per distinct region
+
+
+def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str,
+                  regional: bool | str = False) -> Callable:
+    """Compile `gm`; the result takes a list of inputs (boxed calling convention) and returns a list/tuple.
+    `regional` (inductor): True, False or "auto" (regions where they repeat, see regions.compile_regions)."""
     if name == "eager":
         from zcompile.compiler.backends.eager import compile_eager
         return compile_eager(gm, example_inputs, kind)
@@ -16,6 +21,9 @@ def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str
         from zcompile.compiler.backends.inductor import compile_inductor
         if regional:
             from zcompile.compiler.backends.regions import compile_regions
-            return compile_regions(gm, example_inputs, lambda sub, fakes: compile_inductor(sub, fakes, kind))
+            program = compile_regions(gm, example_inputs, lambda sub, fakes: compile_inductor(sub, fakes, kind),
+                                      min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0)
+            if program is not None:
+                return program
         return compile_inductor(gm, example_inputs, kind)
     raise ValueError(f"unknown graph backend {name!r}; expected 'eager' or 'inductor'")

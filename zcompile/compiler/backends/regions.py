@@ -133,9 +133,12 @@ def _in_flight(regions: list[list[fx.Node]], where: dict) -> dict[fx.Node, int]:
     return pins
 
 
-def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable) -> RegionProgram:
+def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable, min_reuse: float = 0.0
+                    ) -> RegionProgram | None:
     """Cut `gm` into regions (split), compile each distinct one with compile_one(region_gm, fake_inputs) and return
-    the program that runs them. Reports the whole graph's output strides to AOTAutograd, as one compile would."""
+    the program that runs them. Reports the whole graph's output strides to AOTAutograd, as one compile would.
+    None, compiling nothing, when the regions do not repeat enough: fewer than `min_reuse` regions per distinct one
+    (each compile has a fixed cost; on a shallow model one graph compiles faster)."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     slot = {n: k for k, n in enumerate(phs)}
     regions = split(gm.graph)
@@ -162,17 +165,21 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
             frees_after.setdefault(pins[x], []).append(slot[x])
         else:
             frees_before.setdefault(last_reader[x], []).append(slot[x])
+    planned = []  # (region module, key, inputs, outputs) per region
+    for nodes in regions:
+        inside = set(nodes)
+        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
+                                    if a not in inside and a.op != "get_attr"))
+        outputs = [n for n in nodes if n in pins or any(u not in inside for u in n.users)]
+        sub = _region_module(gm, nodes, inputs, outputs)
+        consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
+        planned.append((sub, (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts), inputs, outputs))
+    if len(regions) < min_reuse * len({key for _, key, _, _ in planned}):
+        return None
     cache: dict[tuple, Callable] = {}
     steps = []
     with _no_output_strides():
-        for r, nodes in enumerate(regions):
-            inside = set(nodes)
-            inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
-                                        if a not in inside and a.op != "get_attr"))
-            outputs = [n for n in nodes if n in pins or any(u not in inside for u in n.users)]
-            sub = _region_module(gm, nodes, inputs, outputs)
-            consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
-            key = (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts)
+        for r, (sub, key, inputs, outputs) in enumerate(planned):
             if key not in cache:
                 cache[key] = compile_one(sub, [x.meta["val"] for x in inputs])
             steps.append((cache[key], [slot[x] for x in inputs], [slot[o] for o in outputs],
