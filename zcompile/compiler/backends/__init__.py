@@ -13,17 +13,21 @@ AUTO_MIN_REUSE = 2.0  # regional_compile 'auto': at least this many regions per 
 def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str,
                   regional: bool | str = False) -> Callable:
     """Compile `gm`; the result takes a list of inputs (boxed calling convention) and returns a list/tuple.
-    `regional` (inductor): True, False or "auto" (regions where they repeat, see regions.compile_regions)."""
+    `regional` (inductor): True, False or "auto" (regions per block where they repeat); in every case inductor
+    graphs are cut where a collective is in flight over other work (regions.split)."""
     if name == "eager":
         from zcompile.compiler.backends.eager import compile_eager
         return compile_eager(gm, example_inputs, kind)
     if name == "inductor":
         from zcompile.compiler.backends.inductor import compile_inductor
-        if regional:
-            from zcompile.compiler.backends.regions import compile_regions
-            program = compile_regions(gm, example_inputs, lambda sub, fakes: compile_inductor(sub, fakes, kind),
-                                      min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0)
-            if program is not None:
-                return program
-        return compile_inductor(gm, example_inputs, kind)
+        from zcompile.compiler.backends.regions import compile_regions
+
+        def one(sub, fakes):
+            return compile_inductor(sub, fakes, kind)
+        # by block where blocks repeat ('auto': enough); always cut where a collective is in flight over other work
+        program = compile_regions(gm, example_inputs, one, min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0,
+                                  by_block=bool(regional)) if regional else None
+        if program is None:
+            program = compile_regions(gm, example_inputs, one, by_block=False)
+        return program
     raise ValueError(f"unknown graph backend {name!r}; expected 'eager' or 'inductor'")

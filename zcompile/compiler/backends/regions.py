@@ -25,10 +25,22 @@ from zcompile.compiler.liveness import input_held_until_wait
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
-def split(graph: fx.Graph) -> list[list[fx.Node]]:
+def _issued_here(wait: fx.Node, region: list[fx.Node], pos: dict) -> bool:
+    """`wait` waits for a collective issued in `region` with other work between the two, which reads its input
+    meanwhile: inside one compiled graph inductor may reuse that input's buffer for the work in between (it treats
+    the `_out` all-gather as an in-place op), so the wait goes to the next region and the input is held for it."""
+    c = wait.args[0]
+    if c.target is operator.getitem:
+        c = c.args[0]
+    return (bool(region) and pos.get(c, -1) >= pos[region[0]] and pos[wait] - pos[c] > 1
+            and input_held_until_wait(c))
+
+
+def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
     """The graph's computing nodes in regions, in order: a new region starts where the nodes move to another
-    repeated module (another transformer block), unless a value that is not a tensor (a tuple of a multi-output
-    op) would cross the cut."""
+    repeated module (another transformer block; with `by_block`) and at the wait of a collective issued in the
+    current region with work in between, unless a value that is not a tensor (a tuple of a multi-output op) would
+    cross the cut."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     pos = {n: k for k, n in enumerate(nodes)}
     last = {n: max((pos.get(u, len(nodes)) for u in n.users), default=-1) for n in nodes}
@@ -37,10 +49,13 @@ def split(graph: fx.Graph) -> list[list[fx.Node]]:
     current = None
     for k, n in enumerate(nodes):
         live = {x for x in live if last[x] >= k}
-        block = block_of(n)
-        if block is not None and block != current:
-            if regions[-1] and all(isinstance(x.meta.get("val"), torch.Tensor) for x in live):
-                regions.append([])
+        block = block_of(n) if by_block else None
+        new_block = block is not None and block != current
+        in_flight = n.target is _WAIT and _issued_here(n, regions[-1], pos)
+        if (new_block or in_flight) and regions[-1] and all(isinstance(x.meta.get("val"), torch.Tensor)
+                                                            for x in live):
+            regions.append([])
+        if new_block:
             current = block
         regions[-1].append(n)
         live.add(n)
@@ -133,15 +148,15 @@ def _in_flight(regions: list[list[fx.Node]], where: dict) -> dict[fx.Node, int]:
     return pins
 
 
-def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable, min_reuse: float = 0.0
-                    ) -> RegionProgram | None:
+def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable, min_reuse: float = 0.0,
+                    by_block: bool = True) -> RegionProgram | None:
     """Cut `gm` into regions (split), compile each distinct one with compile_one(region_gm, fake_inputs) and return
     the program that runs them. Reports the whole graph's output strides to AOTAutograd, as one compile would.
     None, compiling nothing, when the regions do not repeat enough: fewer than `min_reuse` regions per distinct one
     (each compile has a fixed cost; on a shallow model one graph compiles faster)."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     slot = {n: k for k, n in enumerate(phs)}
-    regions = split(gm.graph)
+    regions = split(gm.graph, by_block)
     where = {n: r for r, nodes in enumerate(regions) for n in nodes}
     out_node = gm.graph.output_node()
     (graph_outs,) = out_node.args
