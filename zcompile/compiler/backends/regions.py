@@ -3,8 +3,8 @@
 
 The passes schedule the whole model as one graph (prefetch and bucketing cross block boundaries), but inductor's
 code generation grows with graph size. A transformer's graph repeats block after block: the same ops on the same
-shapes, fed by other parameters, with the collectives the passes placed among them. Each region is rebuilt as a graph of its own with canonical names,
-so identical regions print the same code; a region is compiled the first time its (code, input layouts) appears and
+shapes, fed by other parameters, with the collectives the passes placed among them. Each region is rebuilt as a
+graph of its own with canonical names, so identical regions print the same code; a region is compiled the first time its (code, input layouts) appears and
 reused for every other occurrence. Cold compile then costs about one block's forward and backward, at any depth.
 
 The regions run in order from a flat list of slots; a value is dropped after its last use, as in one graph.
@@ -12,13 +12,13 @@ The regions run in order from a flat list of slots; a value is dropped after its
 from __future__ import annotations
 
 import contextlib
-import operator
 from typing import Callable
 
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext
 
+from zcompile.compiler import collectives
 from zcompile.compiler.blocks import block_of
 from zcompile.compiler.liveness import input_held_until_wait
 
@@ -29,9 +29,7 @@ def _issued_here(wait: fx.Node, region: list[fx.Node], pos: dict) -> bool:
     """`wait` waits for a collective issued in `region` with other work between the two, which reads its input
     meanwhile: inside one compiled graph inductor may reuse that input's buffer for the work in between (it treats
     the `_out` all-gather as an in-place op), so the wait goes to the next region and the input is held for it."""
-    c = wait.args[0]
-    if c.target is operator.getitem:
-        c = c.args[0]
+    c = collectives.collective_of(wait)
     return (bool(region) and pos.get(c, -1) >= pos[region[0]] and pos[wait] - pos[c] > 1
             and input_held_until_wait(c))
 
@@ -108,10 +106,9 @@ class RegionProgram:
     """Runs the compiled regions in order over a list of slots: the graph's inputs first, then every value a region
     hands to a later one. Boxed calling convention (takes a list, clears it)."""
 
-    def __init__(self, num_inputs: int, steps: list, outputs: list, num_slots: int,
-                 regions: int, compiled: int):
+    def __init__(self, steps: list, outputs: list, num_slots: int, regions: int, compiled: int):
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__ (functools.wraps)
-        self.num_inputs, self.steps, self.outputs, self.num_slots = num_inputs, steps, outputs, num_slots
+        self.steps, self.outputs, self.num_slots = steps, outputs, num_slots
         self.regions, self.compiled = regions, compiled  # how many regions, how many distinct ones were compiled
 
     def __call__(self, args: list):
@@ -137,9 +134,7 @@ def _in_flight(regions: list[list[fx.Node]], where: dict) -> dict[fx.Node, int]:
         for w in nodes:
             if w.target is not _WAIT:
                 continue
-            c = w.args[0]
-            if c.target is operator.getitem:  # a coalesced collective's member
-                c = c.args[0]
+            c = collectives.collective_of(w)
             if where.get(c, r) == r or not input_held_until_wait(c):
                 continue
             for x in c.all_input_nodes:
@@ -208,4 +203,4 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     if tc is not None and tc.output_strides is not None:
         tc.output_strides.extend(tuple(o.meta["val"].stride()) if isinstance(o, fx.Node)
                                  and isinstance(o.meta.get("val"), torch.Tensor) else None for o in graph_outs)
-    return RegionProgram(len(phs), steps, outputs, len(slot), len(regions), len(cache))
+    return RegionProgram(steps, outputs, len(slot), len(regions), len(cache))
