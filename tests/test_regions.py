@@ -100,10 +100,10 @@ def test_each_value_is_dropped_after_its_last_reader():
     run(torch.randn(4, 16)).backward()
     for kind, p in programs.items():
         kept = {o for o in p.outputs if isinstance(o, int)}
-        freed = [i for _, _, _, before, after in p.steps for i in before + after]
+        freed = [i for _, _, _, frees in p.steps for i in frees]
         assert len(freed) == len(set(freed)), f"{kind}: a slot freed twice"
         last_read = {}
-        for k, (_, ins, _, _, _) in enumerate(p.steps):
+        for k, (_, ins, _, _) in enumerate(p.steps):
             for i in ins:
                 last_read[i] = k
         for i, k in last_read.items():
@@ -138,33 +138,81 @@ def test_no_cut_separates_a_tuple_from_its_items():
     assert where[add] != where[vm], cut  # block 2 still starts a region
 
 
-def test_a_collective_in_flight_across_a_cut_keeps_its_input_until_the_wait_has_run():
-    """An all-gather started in block 0's region and waited on in block 1's: its input (a temporary) is an output
-    of the first region and is dropped only after the second has run. Inductor would otherwise reuse the input's
-    buffer inside the first region while the collective still reads it (wrong parameters; test_parity caught it)."""
-    c10d = torch.ops._c10d_functional
+def _gather_in_flight_graph(wait_block: str, group: str = "0") -> fx.GraphModule:
+    """An all-gather (world 1) of a temporary started in block 0 and waited on in `wait_block`, with a matmul in
+    between that needs a buffer of the same size."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     g = fx.Graph()
     x = g.placeholder("x")
-    x.meta["val"] = torch.randn(8)
-    flat = _node(g, torch.ops.aten.relu.default, (x,), "L['self'].blocks.0")
-    flat.meta["val"] = x.meta["val"]
-    ag = g.call_function(c10d.all_gather_into_tensor.default, (flat, 2, "0"))
-    ag.meta["val"] = torch.randn(16)
-    collectives.annotate(ag, "all_gather", 64, "0", "test: prefetch", 16, torch.float32, (0, 1))
-    work = _node(g, torch.ops.aten.neg.default, (x,), "L['self'].blocks.1")
-    work.meta["val"] = x.meta["val"]
+    x.meta["val"] = torch.randn(8, 8)
+    flat = _node(g, aten.mul.Tensor, (x, 2.0), "L['self'].blocks.0")
+    out = g.call_function(aten.new_empty.default, (flat, [8, 8]))
+    ag = g.call_function(c10d.all_gather_into_tensor_out.default, (flat, 1, group), {"out": out})
+    collectives.annotate(ag, "all_gather", 256, group, "test: prefetch", 64, torch.float32, (0,))
+    sin = _node(g, aten.sin.default, (x,), wait_block)
+    work = _node(g, aten.mm.default, (sin, x), wait_block)
     wait = g.call_function(c10d.wait_tensor.default, (ag,))
-    wait.meta["val"] = ag.meta["val"]
-    g.output((work, wait))
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    after = _node(g, aten.mul.Tensor, (wait, 3.0), wait_block)
+    for n in (flat, out, ag, sin, work, wait, after):
+        n.meta["val"] = torch.randn(8, 8)
+    g.output((work, after))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_held_collective_input_is_read_again_at_the_wait_and_crosses_a_cut_to_it():
+    """hold_collective_inputs: the gather reads its input through one realized node, which a wait_tensor reads again
+    right after the gather's wait; regional compile hands that node to the waiting region, which drops it as it
+    starts (the compiled region keeps it to its wait)."""
+    from zcompile.compiler.backends.inductor import hold_collective_inputs
+    wait_op = torch.ops._c10d_functional.wait_tensor.default
+    gm = hold_collective_inputs(_gather_in_flight_graph("L['self'].blocks.1"))
+    nodes = list(gm.graph.nodes)
+    (ag,) = [n for n in nodes if collectives.is_op(n, "all_gather")]
+    held = ag.args[0]
+    assert "force_stride_order" in str(held.target)
+    waits = [n for n in nodes if n.target is wait_op]
+    assert [w.args[0] for w in waits] == [ag, held]
+    assert nodes.index(waits[1]) == nodes.index(waits[0]) + 1
     compiled = []
-    program = regions.compile_regions(gm, [x.meta["val"]], lambda sub, fakes: compiled.append(sub) or sub)
+    program = regions.compile_regions(gm, [nodes[0].meta["val"]], lambda sub, fakes: compiled.append(sub) or sub)
     assert program.regions == 2
     (first_outputs,) = [list(n.args[0]) for n in compiled[0].graph.nodes if n.op == "output"]
-    assert len(first_outputs) == 2  # the gather and its input, held for the wait
-    steps = program.steps
-    pinned = steps[0][2][0]  # flat's slot
-    assert pinned not in steps[0][3] + steps[0][4] and pinned in steps[1][4] and pinned not in steps[1][3]
+    assert len(first_outputs) == 2  # the gather and its held input, which the waiting region reads
+    held_slot = program.steps[0][2][0]
+    assert held_slot not in program.steps[0][3] and held_slot in program.steps[1][1] + program.steps[1][3]
+    assert [n.args[0].name for n in compiled[1].graph.nodes if n.target is wait_op][1] in ("in1", "in2")
+
+
+def _inductor_code_of_a_gather_in_flight(rank: int, world: int, hold: bool) -> tuple[str, bool]:
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+    from zcompile.compiler.backends.inductor import compile_inductor, hold_collective_inputs
+    gm = _gather_in_flight_graph("L['self'].blocks.0", dist.group.WORLD.group_name)
+    if hold:
+        gm = hold_collective_inputs(gm)
+    x = next(iter(gm.graph.nodes)).meta["val"]
+    compiled, (code,) = run_and_get_code(lambda: compile_inductor(gm, [x], "forward"))
+    right = torch.allclose(compiled([x.clone()])[1], x * 6)
+    return code[code.index("def call"):], right
+
+
+def test_inductor_keeps_a_gathered_input_until_the_wait():
+    """The bug hold_collective_inputs fixes, shown in inductor's own output: without it, the buffer the `_out`
+    all-gather reads is reused for the work issued before the wait (`del bufN  # reuse`); with it, not."""
+    import re
+    from tests.harness import run_world
+
+    def reused_before_wait(code: str) -> bool:
+        gather_in = re.search(r"all_gather_into_tensor_out\.default\((buf\d+),", code).group(1)
+        first_wait = code.index("wait_tensor.default(")
+        return bool(re.search(rf"del {gather_in}\b", code[:first_wait]))
+
+    ((without, _),) = run_world(1, _inductor_code_of_a_gather_in_flight, False)  # its result may be right or not
+    ((with_hold, right),) = run_world(1, _inductor_code_of_a_gather_in_flight, True)
+    assert reused_before_wait(without), without  # inductor's in-place lowering of the `_out` gather (torch 2.11-2.13)
+    assert not reused_before_wait(with_hold) and right, with_hold
+    held_in = re.search(r"all_gather_into_tensor_out\.default\((buf\d+),", with_hold).group(1)
+    assert f"wait_tensor.default({held_in})" in with_hold, with_hold
 
 
 class MarkedBlock(Block):

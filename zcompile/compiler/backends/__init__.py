@@ -13,18 +13,19 @@ AUTO_MIN_REUSE = 2.0  # regional_compile 'auto': at least this many regions per 
 def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str,
                   regional: bool | str = False) -> Callable:
     """Compile `gm`; the result takes a list of inputs (boxed calling convention) and returns a list/tuple.
-    `regional` (inductor): True, False or "auto" (regions per block where they repeat); in every case inductor
-    graphs are cut where a collective is in flight over other work (regions.split)."""
+    `regional` (inductor): True, False or "auto" (regions per block where they repeat)."""
     if name == "eager":
         from zcompile.compiler.backends.eager import compile_eager
         return compile_eager(gm, example_inputs, kind)
     if name == "inductor":
-        from zcompile.compiler.backends.inductor import compile_inductor
+        from zcompile.compiler.backends.inductor import compile_inductor, hold_collective_inputs
         from zcompile.compiler.backends.regions import compile_regions
+
+        gm = hold_collective_inputs(gm)
 
         def one(sub, fakes):
             return compile_inductor(sub, fakes, kind)
-        # by block where blocks repeat ('auto': enough); always cut where a collective is in flight over other work
+        # by block where blocks repeat ('auto': enough); else one graph
         program = compile_regions(gm, example_inputs, one, min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0,
                                   by_block=bool(regional)) if regional else None
         if program is None:

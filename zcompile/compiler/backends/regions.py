@@ -18,30 +18,20 @@ import torch
 import torch.fx as fx
 from torch._guards import TracingContext
 
-from zcompile.compiler import collectives
 from zcompile.compiler.blocks import block_of
-from zcompile.compiler.liveness import input_held_until_wait
-
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-def _issued_here(wait: fx.Node, region: list[fx.Node], pos: dict) -> bool:
-    """`wait` waits for a collective issued in `region` with other work between the two, which reads its input
-    meanwhile: inside one compiled graph inductor may reuse that input's buffer for the work in between (it treats
-    the `_out` all-gather as an in-place op), so the wait goes to the next region and the input is held for it."""
-    c = collectives.collective_of(wait)
-    return (bool(region) and pos.get(c, -1) >= pos[region[0]] and pos[wait] - pos[c] > 1
-            and input_held_until_wait(c))
 
 
 def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
-    """The graph's computing nodes in regions, in order: a new region starts where the nodes move to another
-    repeated module (another transformer block; with `by_block`) and at the wait of a collective issued in the
-    current region with work in between, unless a value that is not a tensor (a tuple of a multi-output op) would
-    cross the cut."""
+    """The graph's computing nodes in regions, in order: with `by_block`, a new region starts where the nodes move
+    to another repeated module (another transformer block), unless a value that is not a tensor (a tuple of a
+    multi-output op) would cross the cut; without, one region."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    pos = {n: k for k, n in enumerate(nodes)}
-    last = {n: max((pos.get(u, len(nodes)) for u in n.users), default=-1) for n in nodes}
+    last = {n: -1 for n in nodes}
+    for k, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = k
+    for a in graph.output_node().all_input_nodes:
+        last[a] = len(nodes)
     regions: list[list[fx.Node]] = [[]]
     live: set[fx.Node] = set()
     current = None
@@ -49,9 +39,7 @@ def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
         live = {x for x in live if last[x] >= k}
         block = block_of(n) if by_block else None
         new_block = block is not None and block != current
-        in_flight = n.target is _WAIT and _issued_here(n, regions[-1], pos)
-        if (new_block or in_flight) and regions[-1] and all(isinstance(x.meta.get("val"), torch.Tensor)
-                                                            for x in live):
+        if new_block and regions[-1] and all(isinstance(x.meta.get("val"), torch.Tensor) for x in live):
             regions.append([])
         if new_block:
             current = block
@@ -114,33 +102,13 @@ class RegionProgram:
     def __call__(self, args: list):
         env = list(args) + [None] * (self.num_slots - len(args))
         args.clear()
-        for fn, ins, outs, frees, frees_after in self.steps:
+        for fn, ins, outs, frees in self.steps:
             a = [env[i] for i in ins]
             for i in frees:
                 env[i] = None
             for i, v in zip(outs, fn(a)):
                 env[i] = v
-            for i in frees_after:
-                env[i] = None
         return [env[o] if isinstance(o, int) else o[0] for o in self.outputs]
-
-
-def _in_flight(regions: list[list[fx.Node]], where: dict) -> dict[fx.Node, int]:
-    """Inputs of a collective that is waited on in a later region than it starts in -> the waiting region. The
-    collective reads them until then: one graph keeps them alive to its wait, so must the program (inside the
-    issuing region inductor would reuse their buffers). The same rule as the planner's (liveness)."""
-    pins: dict[fx.Node, int] = {}
-    for r, nodes in enumerate(regions):
-        for w in nodes:
-            if w.target is not _WAIT:
-                continue
-            c = collectives.collective_of(w)
-            if where.get(c, r) == r or not input_held_until_wait(c):
-                continue
-            for x in c.all_input_nodes:
-                if x.op != "get_attr":
-                    pins[x] = max(pins.get(x, r), r)
-    return pins
 
 
 def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable, min_reuse: float = 0.0,
@@ -158,29 +126,22 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     for nodes in regions:
         for n in nodes:
             slot[n] = len(slot)
-    last_reader: dict[fx.Node, int] = {}  # value -> index of the last region reading it
+    last_reader: dict[fx.Node, int] = {}  # value read by a later region -> the last region reading it
     for r, nodes in enumerate(regions):
         for n in nodes:
             for a in n.all_input_nodes:
                 if a.op != "get_attr" and where.get(a) != r:
                     last_reader[a] = r
-    pins = _in_flight(regions, where)
     kept = {o for o in graph_outs if isinstance(o, fx.Node)}  # the graph's outputs stay to the end
-    frees_before: dict[int, list[int]] = {}  # region -> slots dropped as it starts (it reads them last)
-    frees_after: dict[int, list[int]] = {}  # region -> slots dropped once it ran (a collective read them)
-    for x in set(last_reader) | set(pins):
-        if x in kept:
-            continue
-        if pins.get(x, -1) >= last_reader.get(x, -1):
-            frees_after.setdefault(pins[x], []).append(slot[x])
-        else:
-            frees_before.setdefault(last_reader[x], []).append(slot[x])
+    frees: dict[int, list[int]] = {}  # region -> slots dropped as it starts (it reads them last)
+    for x, r in last_reader.items():
+        if x not in kept:
+            frees.setdefault(r, []).append(slot[x])
     planned = []  # (region module, key, inputs, outputs) per region
     for nodes in regions:
         inside = set(nodes)
-        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
-                                    if a not in inside and a.op != "get_attr"))
-        outputs = [n for n in nodes if n in pins or any(u not in inside for u in n.users)]
+        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside and a.op != "get_attr"))
+        outputs = [n for n in nodes if n in last_reader or n in kept]
         sub = _region_module(gm, nodes, inputs, outputs)
         consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
         planned.append((sub, (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts), inputs, outputs))
@@ -192,12 +153,11 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
         for r, (sub, key, inputs, outputs) in enumerate(planned):
             if key not in cache:
                 cache[key] = compile_one(sub, [x.meta["val"] for x in inputs])
-            steps.append((cache[key], [slot[x] for x in inputs], [slot[o] for o in outputs],
-                          frees_before.get(r, []), frees_after.get(r, [])))
+            steps.append((cache[key], [slot[x] for x in inputs], [slot[o] for o in outputs], frees.get(r, [])))
     # placeholders nothing reads are dropped at once: no region frees them
-    unread = [slot[p] for p in phs if p not in last_reader and p not in kept and p not in pins]
+    unread = [slot[p] for p in phs if p not in last_reader and p not in kept]
     if unread and steps:
-        steps[0] = (*steps[0][:3], steps[0][3] + unread, steps[0][4])
+        steps[0] = (*steps[0][:3], steps[0][3] + unread)
     outputs = [slot[o] if isinstance(o, fx.Node) else (o,) for o in graph_outs]
     tc = TracingContext.try_get()
     if tc is not None and tc.output_strides is not None:
