@@ -8,26 +8,37 @@ from torch._inductor import inductor_prims
 from zcompile.compiler import collectives
 from zcompile.compiler.liveness import input_held_until_wait
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+@torch.library.custom_op("zcompile::held_until", mutates_args=("held",))
+def held_until(held: torch.Tensor, done: torch.Tensor) -> None:
+    """Nothing at run time. To inductor: `held` is in use (written) until `done` (a collective's waited result) is
+    ready, so its buffer is neither freed nor reused before."""
 
 
 def compile_inductor(gm: fx.GraphModule, example_inputs: list, kind: str):
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    return compile_fx_inner(gm, example_inputs, is_backward=(kind == "backward"), is_inference=(kind == "inference"))
+    # The order is the passes' (prefetch, release, the planner's budget): inductor's peak-memory reordering would
+    # move a prefetched gather's wait up to the first moment its buffers can be reused, ending the overlap.
+    with config.patch(reorder_for_peak_memory=False):
+        return compile_fx_inner(gm, example_inputs, is_backward=(kind == "backward"),
+                                is_inference=(kind == "inference"))
 
 
 def hold_collective_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` in which the input of every collective that the library reads until completion
     (liveness.input_held_until_wait: all-gathers, all-to-alls, NCCL's reduce-scatter) is one realized buffer,
-    read again by a `wait_tensor` of it right after the collective's wait.
+    held (`zcompile::held_until`) until the collective's waited result is ready.
 
     Inductor lowers the `_out` all-gather (collectives.all_gather) as an in-place op whose wait does not read the
     input, so it would reuse the input's buffer for work between the issue and the wait: the gathered parameters
-    came back wrong (bench/compare.py's loss check, test_parity). The second wait is a no-op at run time; to
-    inductor it is a mutation of the input, which keeps the buffer until then, in one graph or, across regions,
-    by handing it to the region that waits. `inductor_force_stride_order` realizes the input once: without it the
-    collective and the wait would each get their own copy of an unrealized input (layout constraints copy)."""
+    came back wrong (bench/compare.py's loss check, test_parity). `held_until` reads the waited result, so inductor
+    orders it after the wait, and writes the input, so the buffer lives until then, in one graph or, across
+    regions, by handing it to the region that waits (a `wait_tensor` of the input instead was ordered before the
+    collective's wait by inductor's scheduler). `inductor_force_stride_order` realizes the input once: without it
+    the collective and the hold would each get their own copy of an unrealized input (layout constraints copy)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
@@ -44,6 +55,7 @@ def hold_collective_inputs(gm: fx.GraphModule) -> fx.GraphModule:
             held = graph.call_function(inductor_prims.force_stride_order, (x, list(x.meta["val"].stride())))
         held.meta["val"] = x.meta["val"]
         c.args = (held, *c.args[1:])
-        with graph.inserting_after(max(waits, key=order.__getitem__)):
-            graph.call_function(_WAIT, (held,)).meta["val"] = x.meta["val"]
+        last_wait = max(waits, key=order.__getitem__)
+        with graph.inserting_after(last_wait):
+            graph.call_function(torch.ops.zcompile.held_until.default, (held, last_wait)).meta["val"] = None
     return fx.GraphModule(gm, graph)

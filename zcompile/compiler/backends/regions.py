@@ -19,12 +19,15 @@ import torch.fx as fx
 from torch._guards import TracingContext
 
 from zcompile.compiler.blocks import block_of
+from zcompile.compiler.collectives import KEY
 
 
 def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
-    """The graph's computing nodes in regions, in order: with `by_block`, a new region starts where the nodes move
-    to another repeated module (another transformer block), unless a value that is not a tensor (a tuple of a
-    multi-output op) would cross the cut; without, one region."""
+    """The graph's computing nodes in regions, in order: with `by_block`, a new region starts at each repeated module
+    (a transformer block) the nodes reach for the first time, after the first. Everything else stays in the current
+    region: the passes' collectives and copies, other modules (embeddings join the first block, the head and loss
+    the last), and nodes of a block seen before (a saved activation's transpose at the end of the forward). No cut
+    where a value that is not a tensor (a tuple of a multi-output op) would cross. Without `by_block`, one region."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     last = {n: -1 for n in nodes}
     for k, n in enumerate(nodes):
@@ -34,41 +37,61 @@ def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
         last[a] = len(nodes)
     regions: list[list[fx.Node]] = [[]]
     live: set[fx.Node] = set()
-    current = None
+    seen: set[str] = set()
     for k, n in enumerate(nodes):
         live = {x for x in live if last[x] >= k}
         block = block_of(n) if by_block else None
-        new_block = block is not None and block != current
-        if new_block and regions[-1] and all(isinstance(x.meta.get("val"), torch.Tensor) for x in live):
-            regions.append([])
-        if new_block:
-            current = block
+        if block and block not in seen:
+            if seen and all(isinstance(x.meta.get("val"), torch.Tensor) for x in live):
+                regions.append([])
+            seen.add(block)
         regions[-1].append(n)
         live.add(n)
     return [r for r in regions if r]
 
 
-def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
-                   ) -> fx.GraphModule:
-    """`nodes` as a graph of their own: `inputs` become placeholders, `outputs` the outputs; names are made fresh
-    (from the ops), so two regions doing the same thing print the same code."""
+def constants(graph: fx.Graph) -> set[fx.Node]:
+    """Pure nodes computed from no graph input (a causal mask, an arange, a -inf scalar): each region computes the
+    ones it reads itself rather than taking them from the region that first needed them, so that region's code
+    stays the same as the next block's (and inductor can fuse them into their readers)."""
+    const: set[fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "call_function" and not n.is_impure() and KEY not in n.meta
+                and all(a in const or a.op == "get_attr" for a in n.all_input_nodes)):
+            const.add(n)
+    return const
+
+
+def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+                   const: set[fx.Node]) -> fx.GraphModule:
+    """`nodes` as a graph of their own: `inputs` become placeholders, `outputs` the outputs, constants of other
+    regions are recomputed; names are made fresh (from the ops), so two regions doing the same thing print the
+    same code."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for k, x in enumerate(inputs):
         env[x] = g.placeholder(f"in{k}")
         env[x].meta["val"] = x.meta["val"]
 
+    def copy(n: fx.Node) -> fx.Node:
+        args, kwargs = fx.map_arg((n.args, n.kwargs), arg)
+        new = g.create_node(n.op, n.target, args, kwargs)
+        new.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
+        return new
+
     def arg(a: fx.Node) -> fx.Node:
         if a not in env and a.op == "get_attr":  # a constant of the graph: each region reads its own copy
             env[a] = g.get_attr(a.target)
             env[a].meta.update({k: v for k, v in a.meta.items() if k == "val"})
+        elif a not in env and a in const:  # computed in another region: recompute it here
+            env[a] = copy(a)
         return env[a]
 
+    wanted = set(outputs)
     for n in nodes:
-        args, kwargs = fx.map_arg((n.args, n.kwargs), arg)
-        env[n] = g.create_node(n.op, n.target, args, kwargs)
-        env[n].meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
-    g.output(tuple(env[o] for o in outputs))
+        if n not in env and (n not in const or n in wanted):  # a constant is computed where first read, as above
+            env[n] = copy(n)
+    g.output(tuple(arg(o) for o in outputs))
     return fx.GraphModule(gm, g)
 
 
@@ -120,6 +143,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     slot = {n: k for k, n in enumerate(phs)}
     regions = split(gm.graph, by_block)
+    const = constants(gm.graph)
     where = {n: r for r, nodes in enumerate(regions) for n in nodes}
     out_node = gm.graph.output_node()
     (graph_outs,) = out_node.args
@@ -130,7 +154,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     for r, nodes in enumerate(regions):
         for n in nodes:
             for a in n.all_input_nodes:
-                if a.op != "get_attr" and where.get(a) != r:
+                if a.op != "get_attr" and a not in const and where.get(a) != r:
                     last_reader[a] = r
     kept = {o for o in graph_outs if isinstance(o, fx.Node)}  # the graph's outputs stay to the end
     frees: dict[int, list[int]] = {}  # region -> slots dropped as it starts (it reads them last)
@@ -140,9 +164,10 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     planned = []  # (region module, key, inputs, outputs) per region
     for nodes in regions:
         inside = set(nodes)
-        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside and a.op != "get_attr"))
+        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
+                                    if a not in inside and a.op != "get_attr" and a not in const))
         outputs = [n for n in nodes if n in last_reader or n in kept]
-        sub = _region_module(gm, nodes, inputs, outputs)
+        sub = _region_module(gm, nodes, inputs, outputs, const)
         consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
         planned.append((sub, (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts), inputs, outputs))
     if len(regions) < min_reuse * len({key for _, key, _, _ in planned}):
