@@ -2,6 +2,7 @@
 
     python bench/compile_time.py --layers 2,8,16,32                          # CPU, gloo, world 2
     python bench/compile_time.py --layers 8 --systems zcompile_z3 --world 2  # one point
+    python bench/compile_time.py --layers 32 --systems zcompile_z3 --profile --out /tmp/p  # + pstats of rank 0
 
 For each system and depth (GPT, d=128, 4 heads, bench/compare.py's data: 4x128 tokens per rank) two launches in
 fresh processes: cold (an empty inductor cache directory) and warm (the same directory again, as a second launch of
@@ -14,6 +15,7 @@ Markdown table, a JSON file and a PNG plot to bench/results.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import statistics
@@ -65,7 +67,7 @@ def _cache_counters() -> dict:
             "aot cache miss": counters["aot_autograd"]["autograd_cache_miss"]}
 
 
-def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
+def worker(rank: int, world: int, system: str, layers: int, args, run: str = "") -> dict:
     torch.manual_seed(0)
     device = torch.device("cpu")
     model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=layers, n_head=4, n_embd=128))
@@ -74,9 +76,15 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
     times = []
     for i in range(1 + args.steps):
         x = compare.batch(i, rank, world, args.micro, args.seq, device)
+        profile = cProfile.Profile() if args.profile and rank == 0 and i == 0 else None
         t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         loss, _ = step(x)
         times.append(time.perf_counter() - t0)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.path.join(args.out, f"profile-{system}-{layers}-{run}.pstats"))
     median = statistics.median(times[1:])
     out = {"first_s": times[0], "step_s": median, "compile_s": max(times[0] - median, 0.0),
            "loss": loss.item(), "phases": _dynamo_phases(), "cache": _cache_counters()}
@@ -92,11 +100,11 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
     return out
 
 
-def run_one(system: str, layers: int, cache_dir: str, args) -> dict:
+def run_one(system: str, layers: int, cache_dir: str, args, run: str) -> dict:
     world = 1 if system == "torch_compile_1proc" else args.world
     env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
     try:
-        return run_world(world, worker, system, layers, args, timeout=args.timeout, env=env)[0]
+        return run_world(world, worker, system, layers, args, run, timeout=args.timeout, env=env)[0]
     except WorkerFailed as e:
         last = e.errors[min(e.errors)].strip().splitlines()[-1]
         print(f"--- {system} {layers} layers failed:\n{e.errors[min(e.errors)]}", file=sys.stderr)
@@ -159,6 +167,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="suffix of the result files")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile rank 0's first step into OUT/profile-SYSTEM-LAYERS-{cold,warm}.pstats")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -168,8 +178,8 @@ def main() -> None:
                 continue
             with tempfile.TemporaryDirectory(prefix="zc-inductor-cache-") as cache:
                 t0 = time.time()
-                row = {"system": system, "layers": layers, "cold": run_one(system, layers, cache, args)}
-                row["warm"] = run_one(system, layers, cache, args)
+                row = {"system": system, "layers": layers, "cold": run_one(system, layers, cache, args, "cold")}
+                row["warm"] = run_one(system, layers, cache, args, "warm")
             rows.append(row)
             ok = "error" not in row["cold"] and "error" not in row["warm"]
             print(f"{system} {layers} layers: " + (f"cold {row['cold']['compile_s']:.1f} s, warm "

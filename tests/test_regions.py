@@ -138,6 +138,41 @@ def test_no_cut_separates_a_tuple_from_its_items():
     assert where[add] != where[vm], cut  # block 2 still starts a region
 
 
+def test_constants_are_recomputed_in_each_region_that_reads_them_unless_written():
+    """A causal-mask-like constant made in block 0 and read by block 1 is recomputed in block 1's region (so block 0
+    does not hand it on and both regions print the same code); one that an op writes into stays a handed-on value."""
+    aten = torch.ops.aten
+    for written in (False, True):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = torch.randn(4, 4)
+        mask = _node(g, aten.full.default, ([4, 4], 1.0), "L['self'].blocks.0")
+        mask.meta["val"] = torch.ones(4, 4)
+        if written:
+            fill = _node(g, aten.fill_.Scalar, (mask, 2.0), "L['self'].blocks.0")
+            fill.meta["val"] = mask.meta["val"]
+        outs = []
+        prev = x
+        for b in (0, 1):
+            m = _node(g, aten.mul.Tensor, (prev, mask), f"L['self'].blocks.{b}")
+            m.meta["val"] = x.meta["val"]
+            outs.append(m)
+            prev = m
+        g.output((outs[-1],))
+        gm = fx.GraphModule(torch.nn.Module(), g)
+        compiled = []
+        program = regions.compile_regions(gm, [x.meta["val"]],
+                                          lambda sub, fakes: compiled.append(sub) or make_boxed_func(sub.forward))
+        assert program.regions == 2
+        second_inputs = [n for n in compiled[-1].graph.nodes if n.op == "placeholder"] if written else None
+        if written:
+            assert len(compiled) == 2 and len(second_inputs) == 2, compiled[-1].code  # the mask is handed on
+        else:
+            assert len(compiled) == 1 and program.compiled == 1  # one code for both blocks: the mask made in each
+        ref = x.meta["val"] * (2.0 if written else 1.0) ** 2
+        assert torch.equal(program([x.meta["val"]])[0], ref)
+
+
 def _gather_in_flight_graph(wait_block: str, group: str = "0") -> fx.GraphModule:
     """An all-gather (world 1) of a temporary started in block 0 and waited on in `wait_block`, with a matmul in
     between that needs a buffer of the same size."""

@@ -45,11 +45,8 @@ def hold_collective_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     order = {n: k for k, n in enumerate(graph.nodes)}
     for c in list(graph.nodes):
         x = c.args[0] if c.op == "call_function" and c.args else None
-        if not isinstance(x, fx.Node) or not input_held_until_wait(c) or not isinstance(x.meta.get("val"),
-                                                                                          torch.Tensor):
-            continue
-        waits = collectives.waits_of(c)
-        if not waits:
+        waits = collectives.waits_of(c) if isinstance(x, fx.Node) and input_held_until_wait(c) else []
+        if not waits or not isinstance(x.meta.get("val"), torch.Tensor):
             continue
         with graph.inserting_before(c):
             held = graph.call_function(inductor_prims.force_stride_order, (x, list(x.meta["val"].stride())))

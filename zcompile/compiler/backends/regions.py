@@ -1,11 +1,12 @@
-"""Regional inductor compile: a transformed graph is cut into regions where it moves from one repeated module
-(a transformer block) to the next, and each distinct region is compiled once.
+"""Regional inductor compile: a transformed graph is cut into regions where it reaches the next repeated module
+(a transformer block), and each distinct region is compiled once.
 
 The passes schedule the whole model as one graph (prefetch and bucketing cross block boundaries), but inductor's
 code generation grows with graph size. A transformer's graph repeats block after block: the same ops on the same
 shapes, fed by other parameters, with the collectives the passes placed among them. Each region is rebuilt as a
-graph of its own with canonical names, so identical regions print the same code; a region is compiled the first time its (code, input layouts) appears and
-reused for every other occurrence. Cold compile then costs about one block's forward and backward, at any depth.
+graph of its own with canonical names, so identical regions print the same code; a region is compiled the first
+time its (code, input layouts) appears and reused for every other occurrence. Cold compile then costs the first,
+a middle and the last block's forward and backward, at any depth.
 
 The regions run in order from a flat list of slots; a value is dropped after its last use, as in one graph.
 """
@@ -57,7 +58,8 @@ def constants(graph: fx.Graph) -> set[fx.Node]:
     const: set[fx.Node] = set()
     for n in graph.nodes:
         if (n.op == "call_function" and not n.is_impure() and KEY not in n.meta
-                and all(a in const or a.op == "get_attr" for a in n.all_input_nodes)):
+                and all(a in const or a.op == "get_attr" for a in n.all_input_nodes)
+                and not any(u.is_impure() for u in n.users)):  # no op writes into it (a copy would miss that)
             const.add(n)
     return const
 

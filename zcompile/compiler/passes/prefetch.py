@@ -36,7 +36,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     state = planner.model_state(list(pctx.params.values()))
     original = gm.graph
     while True:
-        gm.graph = placement.copy_graph(original)
+        if budget is not None:  # a trial: the original stays for a shorter distance (without a budget, one try)
+            gm.graph = placement.copy_graph(original)
         _apply(gm, distance)
         live = liveness.analyze(gm)
         peak = planner.step_peak(state, {pctx.kind: live})
