@@ -132,12 +132,6 @@ def waits_of(node: fx.Node) -> list[fx.Node]:
     return waits
 
 
-def collective_of(wait: fx.Node) -> fx.Node:
-    """The collective a wait_tensor node waits for (through getitem for a coalesced one's member): waits_of's inverse."""
-    c = wait.args[0]
-    return c.args[0] if c.target is operator.getitem else c
-
-
 def wait_of(node: fx.Node) -> fx.Node:
     """The single wait_tensor of a (non-coalesced) collective."""
     (wait,) = node.users

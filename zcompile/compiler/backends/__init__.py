@@ -25,10 +25,9 @@ def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str
 
         def one(sub, fakes):
             return compile_inductor(sub, fakes, kind)
-        # by block where blocks repeat ('auto': enough); else one graph
-        program = compile_regions(gm, example_inputs, one, min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0,
-                                  by_block=bool(regional)) if regional else None
-        if program is None:
-            program = compile_regions(gm, example_inputs, one, by_block=False)
-        return program
+        if regional:  # by block where blocks repeat ('auto': enough); else one graph
+            program = compile_regions(gm, example_inputs, one, min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0)
+            if program is not None:
+                return program
+        return compile_regions(gm, example_inputs, one, by_block=False)
     raise ValueError(f"unknown graph backend {name!r}; expected 'eager' or 'inductor'")

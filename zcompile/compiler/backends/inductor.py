@@ -9,7 +9,6 @@ from zcompile.compiler import collectives
 from zcompile.compiler.liveness import input_held_until_wait
 
 
-
 @torch.library.custom_op("zcompile::held_until", mutates_args=("held",))
 def held_until(held: torch.Tensor, done: torch.Tensor) -> None:
     """Nothing at run time. To inductor: `held` is in use (written) until `done` (a collective's waited result) is
