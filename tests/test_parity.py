@@ -74,6 +74,22 @@ def test_new_batch_size_recompiles_and_stays_correct():
         assert max_diff(res[3]["params"], ref_params) < TOL
 
 
+@pytest.mark.parametrize("mark_dynamic", [False, True])
+def test_new_sequence_lengths_and_batch_sizes_reuse_one_dynamic_graph_under_inductor(mark_dynamic):
+    """Inductor, by regions, at stage 3: the first shape compiles a static graph and the first change a dynamic one
+    (dynamo's automatic dynamic shapes) that serves every later length and batch size; inputs marked dynamic
+    compile one graph for all. Parameters match the reference throughout (collective sizes do not depend on the
+    activations' shapes)."""
+    seq_lens, sizes = [16, 24, 12, 32, 20], [2, 3, 2, 4, 3]
+    ref_params, ref_losses = workers.reference("gpt", 2, steps=5, batch_sizes=sizes, seq_lens=seq_lens)
+    config = {"stage": 3, "backend": "inductor", "regional_compile": True}
+    results = run_world(2, workers.new_shapes, config, seq_lens, sizes, mark_dynamic)
+    for rank, res in enumerate(results):
+        assert res["graphs"] == (1 if mark_dynamic else 2), res["graphs"]
+        assert max_diff(res["params"], ref_params) < TOL, f"rank {rank}"
+        assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
+
+
 def test_graph_breaks_map_parameters_by_identity():
     """Three graphs; the tied embedding is an input of the first and the last one and gets both gradients."""
     ref_params, _ = workers.reference("gpt_break", 2, steps=5)

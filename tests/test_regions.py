@@ -21,11 +21,20 @@ class Block(nn.Module):
         return x + torch.relu(self.fc(self.ln(x)))
 
 
+class PairBlock(Block):
+    """Mixes pairs of features through a view whose size is computed from the batch size (a SymInt node in a
+    dynamic graph, alive from the first block to the last)."""
+
+    def forward(self, x):
+        pairs = x.view(x.shape[0] * 2, -1)
+        return super().forward(pairs.flip(0).view(x.shape))
+
+
 class Net(nn.Module):
-    def __init__(self, depth: int, d: int = 16):
+    def __init__(self, depth: int, d: int = 16, block=Block):
         super().__init__()
         self.inp = nn.Linear(d, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.blocks = nn.ModuleList(block(d) for _ in range(depth))
         self.out = nn.Linear(d, 1)
 
     def forward(self, x):
@@ -35,10 +44,10 @@ class Net(nn.Module):
         return self.out(x).sum()
 
 
-def compile_net(depth: int):
+def compile_net(depth: int, dynamic: bool | None = None, block=Block):
     """Net(depth) through dynamo and AOTAutograd, each graph run as a RegionProgram of eagerly run regions."""
     torch.manual_seed(0)
-    net = Net(depth)
+    net = Net(depth, block=block)
     programs, compiled = {}, []
 
     def compiler(kind):
@@ -50,7 +59,8 @@ def compile_net(depth: int):
             return programs[kind]
         return compile_graph
 
-    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")))
+    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")),
+                        dynamic=dynamic)
     return net, run, programs
 
 
@@ -75,6 +85,30 @@ def test_repeated_blocks_compile_once_at_any_depth_and_match_the_model():
             assert p.compiled <= 3, (kind, p.regions, p.compiled)  # first block, the others, last block
     # twice the blocks, the same distinct regions: compile cost does not grow with depth
     assert {k: c for k, (_, c) in counts[4].items()} == {k: c for k, (_, c) in counts[8].items()}, counts
+
+
+def test_a_dynamic_batch_compiles_the_same_regions_once_for_every_size():
+    """A graph with a symbolic batch size (dynamo's automatic dynamic shapes after a size changes, or
+    mark_dynamic) is cut and deduplicated as a static one, the size symbols crossing cuts like tensors; its
+    regions are compiled once and serve every batch size."""
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    net, run, programs = compile_net(4, dynamic=True, block=PairBlock)
+    for n in (3, 5, 8):
+        x = torch.randn(n, 16)
+        loss = run(x)
+        loss.backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad()
+        ref = net(x)
+        ref.backward()
+        assert torch.allclose(loss, ref, atol=1e-5), n
+        for g, p in zip(grads, net.parameters()):
+            assert torch.allclose(g, p.grad, atol=1e-5), n
+        net.zero_grad()
+    for kind, p in programs.items():
+        assert p.regions == 4 and p.compiled <= 3, (kind, p.regions, p.compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
 
 def test_auto_compiles_regions_only_where_they_repeat():

@@ -80,7 +80,8 @@ def rank_slice(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | None = None,
-              batch_sizes: list[int] | None = None, device: str = "cpu") -> tuple[dict, list[float]]:
+              batch_sizes: list[int] | None = None, device: str = "cpu",
+              seq_lens: list[int] | None = None) -> tuple[dict, list[float]]:
     """Single-process data-parallel semantics: every rank's micro-batch loss, averaged, one AdamW step."""
     model = build_model(name).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -88,7 +89,7 @@ def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | N
     for step in range(steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
         for a in range(accum):
-            x = global_batch(step * accum + a, world, micro).to(device)
+            x = global_batch(step * accum + a, world, micro, seq_lens[step] if seq_lens else SEQ).to(device)
             per_rank = [loss_of(model, name, rank_slice(x, r, world)) for r in range(world)]
             (sum(per_rank) / (world * accum)).backward()
             losses.append([l.item() for l in per_rank])
@@ -284,6 +285,34 @@ def eager_step_after_compile(rank: int, world: int, stage: int) -> float:
         grads.append([p.grad.full_tensor() for p in model.parameters()])
         opt.zero_grad()
     return max(float((a - b).abs().max()) for a, b in zip(*grads))
+
+
+def new_shapes(rank: int, world: int, config: dict, seq_lens: list[int], batch_sizes: list[int],
+               mark_dynamic: bool) -> dict:
+    """Train the GPT on batches whose sequence length and batch size change (the user's own loop: slices of a
+    batch, AdamW), optionally marking both dims dynamic (torch._dynamo.mark_dynamic) on the model's inputs; returns
+    the consolidated parameters, the losses and how many graphs dynamo compiled."""
+    from torch._dynamo.utils import counters
+    device = zcompile.runtime.dist_context.DistContext.current().device
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    model = torch.compile(build_model("gpt").to(device), backend="zero", options={"config": config})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step, (seq, micro) in enumerate(zip(seq_lens, batch_sizes)):
+        x = rank_slice(global_batch(step, world, micro, seq), rank, world).to(device)
+        idx, targets = x[:, :-1], x[:, 1:]
+        if mark_dynamic:
+            for t in (idx, targets):
+                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 1)
+        loss = model(idx, targets).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses,
+            "graphs": counters["stats"]["unique_graphs"] - before}
 
 
 def parity_with_config(rank: int, world: int, name: str, config: dict, steps: int = 5, accum: int = 1,

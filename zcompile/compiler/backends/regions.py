@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from zcompile.compiler.blocks import block_of
 from zcompile.compiler.collectives import KEY
@@ -28,7 +29,8 @@ def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
     (a transformer block) the nodes reach for the first time, after the first. Everything else stays in the current
     region: the passes' collectives and copies, other modules (embeddings join the first block, the head and loss
     the last), and nodes of a block seen before (a saved activation's transpose at the end of the forward). No cut
-    where a value that is not a tensor (a tuple of a multi-output op) would cross. Without `by_block`, one region."""
+    where a value that is neither a tensor nor a size (a dynamic dim's SymInt) would cross: a tuple of a
+    multi-output op. Without `by_block`, one region."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     last = {n: -1 for n in nodes}
     for k, n in enumerate(nodes):
@@ -43,7 +45,7 @@ def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
         live = {x for x in live if last[x] >= k}
         block = block_of(n) if by_block else None
         if block and block not in seen:
-            if seen and all(isinstance(x.meta.get("val"), torch.Tensor) for x in live):
+            if seen and all(isinstance(x.meta.get("val"), (torch.Tensor, torch.SymInt)) for x in live):
                 regions.append([])
             seen.add(block)
         regions[-1].append(n)
@@ -97,8 +99,25 @@ def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
     return fx.GraphModule(gm, g)
 
 
+def _inputs(nodes: list[fx.Node], const: set[fx.Node], size_of: dict) -> list[fx.Node]:
+    """What a region reads from outside it, plus the graph's size inputs (SymInt placeholders) of every dynamic
+    dim in those values' shapes: inductor binds a size symbol from a SymInt argument, and its FX graph cache
+    evaluates a cached graph's shape guards over the SymInt arguments only."""
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
+                                if a not in inside and a.op != "get_attr" and a not in const))
+    symbols = set().union(*(free_symbols(a.meta.get("val")) for a in inputs)) if size_of else set()
+    inputs += [size_of[s] for s in sorted(symbols, key=str) if s in size_of and size_of[s] not in inputs]
+    return inputs
+
+
 def _layout(v) -> tuple:
-    return (tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else (repr(v),)
+    """What a compiled region depends on in one input: sizes and strides, dtype, device; a dynamic size (a SymInt,
+    also as an input of its own) by its expression in the graph's size symbols, which one compile serves for every
+    value."""
+    if isinstance(v, torch.Tensor):
+        return (tuple(map(str, v.shape)), tuple(map(str, v.stride())), v.dtype, str(v.device))
+    return ("SymInt", str(v)) if isinstance(v, torch.SymInt) else (repr(v),)
 
 
 @contextlib.contextmanager
@@ -152,22 +171,19 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     for nodes in regions:
         for n in nodes:
             slot[n] = len(slot)
+    size_of = {n.meta["val"].node.expr: n for n in phs if isinstance(n.meta.get("val"), torch.SymInt)}
+    region_inputs = [_inputs(nodes, const, size_of) for nodes in regions]
     last_reader: dict[fx.Node, int] = {}  # value read by a later region -> the last region reading it
-    for r, nodes in enumerate(regions):
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a.op != "get_attr" and a not in const and where.get(a) != r:
-                    last_reader[a] = r
+    for r, inputs in enumerate(region_inputs):
+        for a in inputs:
+            last_reader[a] = r
     kept = {o for o in graph_outs if isinstance(o, fx.Node)}  # the graph's outputs stay to the end
     frees: dict[int, list[int]] = {}  # region -> slots dropped as it starts (it reads them last)
     for x, r in last_reader.items():
         if x not in kept:
             frees.setdefault(r, []).append(slot[x])
     planned = []  # (region module, key, inputs, outputs) per region
-    for nodes in regions:
-        inside = set(nodes)
-        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
-                                    if a not in inside and a.op != "get_attr" and a not in const))
+    for nodes, inputs in zip(regions, region_inputs):
         outputs = [n for n in nodes if n in last_reader or n in kept]
         sub = _region_module(gm, nodes, inputs, outputs, const)
         consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
