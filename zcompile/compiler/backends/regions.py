@@ -165,7 +165,6 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     slot = {n: k for k, n in enumerate(phs)}
     regions = split(gm.graph, by_block)
     const = constants(gm.graph)
-    where = {n: r for r, nodes in enumerate(regions) for n in nodes}
     out_node = gm.graph.output_node()
     (graph_outs,) = out_node.args
     for nodes in regions:
