@@ -43,6 +43,18 @@ def test_memory_budget_decides_persistence(tmp_path):
     assert res[0]["persistent"] == [] and _forward_gathers(tmp_path / "tight") > 0
 
 
+def test_parameters_kept_whole_survive_a_recompile_for_new_shapes():
+    """The budget keeps every parameter whole (its DTensor re-pointed at the whole buffer's rows); a new sequence
+    length and batch size then recompile (dynamo fakes those DTensors again) and training matches the reference.
+    Rank 1's DTensors used to keep storage offset 0 over rows at offset `shard`: dynamo failed to fake them."""
+    seq_lens, sizes = [16, 24, 12], [2, 3, 2]
+    ref_params, _ = workers.reference("gpt", 2, steps=3, batch_sizes=sizes, seq_lens=seq_lens)
+    config = {"stage": 3, "backend": "eager", "memory_budget": "4GiB"}
+    for res in run_world(2, workers.new_shapes, config, seq_lens, sizes, False):
+        assert res["persistent"] == 26 and res["graphs"] == 2, (res["persistent"], res["graphs"])
+        assert max_diff(res["params"], ref_params) < TOL
+
+
 @pytest.mark.parametrize("stage, bucket_mb", [(2, 25), (3, 25), (3, 0.02)])
 def test_planned_peak_matches_measured(stage, bucket_mb):
     config = {"stage": stage, "backend": "eager", "bucket_mb": bucket_mb}

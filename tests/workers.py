@@ -312,7 +312,8 @@ def new_shapes(rank: int, world: int, config: dict, seq_lens: list[int], batch_s
         opt.zero_grad()
         losses.append(loss.item())
     return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses,
-            "graphs": counters["stats"]["unique_graphs"] - before}
+            "graphs": counters["stats"]["unique_graphs"] - before,
+            "persistent": sum(bool(getattr(p._zc, "persistent", False)) for p in model.parameters())}
 
 
 def parity_with_config(rank: int, world: int, name: str, config: dict, steps: int = 5, accum: int = 1,

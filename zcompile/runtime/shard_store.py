@@ -419,11 +419,23 @@ def make_persistent(zps: list[ShardedParam]) -> None:
         zp.local_slice().copy_(zp.shard.detach())
         zp.shard.data = zp.local_slice()
         if zp.dtensor is not None:
-            zp.dtensor._local_tensor = zp.local_rows()
+            _repoint_dtensor(zp)
     gather_full(zps)
     for zp in zps:
         if zp.dtensor is None:
             zp.param.data = zp.full_view()
+
+
+def _repoint_dtensor(zp: ShardedParam) -> None:
+    """Make the module's DTensor parameter read this rank's rows of the full buffer, in place (the module, the
+    optimizer and the user hold that object). A DTensor's own storage offset is its local tensor's at construction:
+    assigning only `_local_tensor` would leave rank r's at 0 over a local tensor at r * shard, which dynamo fails to
+    fake at the next recompile ("set the storage of a tensor on device cpu to a storage on ... meta"). `.data =` a
+    DTensor built on the new rows sets both."""
+    rows = zp.local_rows()
+    with torch.no_grad():
+        zp.dtensor.data = zp.as_dtensor(rows, zp.dtensor.device_mesh)
+    zp.dtensor._local_tensor = rows
 
 
 def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
