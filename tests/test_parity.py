@@ -90,6 +90,20 @@ def test_new_sequence_lengths_and_batch_sizes_reuse_one_dynamic_graph_under_indu
         assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
 
 
+def test_ranks_may_differ_in_a_dim_marked_dynamic():
+    """Rank 1's sequences are 8 tokens longer at every step, in one graph compiled with the sequence dim dynamic:
+    no recompile, no schedule mismatch (collectives move parameters), and the averaged gradients match the
+    reference's."""
+    seq_lens, sizes = [16, 12, 20], [2, 2, 2]
+    ref_params, ref_losses = workers.reference("gpt", 2, steps=3, batch_sizes=sizes, seq_lens=seq_lens,
+                                               rank_seq_offset=8)
+    results = run_world(2, workers.new_shapes, {"stage": 3, "backend": "eager"}, seq_lens, sizes, True, 8)
+    for rank, res in enumerate(results):
+        assert res["graphs"] == 1, res["graphs"]
+        assert max_diff(res["params"], ref_params) < TOL, f"rank {rank}"
+        assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
+
+
 def test_graph_breaks_map_parameters_by_identity():
     """Three graphs; the tied embedding is an input of the first and the last one and gets both gradients."""
     ref_params, _ = workers.reference("gpt_break", 2, steps=5)

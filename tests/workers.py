@@ -81,7 +81,7 @@ def rank_slice(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | None = None,
               batch_sizes: list[int] | None = None, device: str = "cpu",
-              seq_lens: list[int] | None = None) -> tuple[dict, list[float]]:
+              seq_lens: list[int] | None = None, rank_seq_offset: int = 0) -> tuple[dict, list[float]]:
     """Single-process data-parallel semantics: every rank's micro-batch loss, averaged, one AdamW step."""
     model = build_model(name).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -89,8 +89,10 @@ def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | N
     for step in range(steps):
         micro = batch_sizes[step] if batch_sizes else MICRO
         for a in range(accum):
-            x = global_batch(step * accum + a, world, micro, seq_lens[step] if seq_lens else SEQ).to(device)
-            per_rank = [loss_of(model, name, rank_slice(x, r, world)) for r in range(world)]
+            seq = seq_lens[step] if seq_lens else SEQ
+            per_rank = [loss_of(model, name, rank_slice(global_batch(step * accum + a, world, micro,
+                                                                     seq + r * rank_seq_offset), r, world).to(device))
+                        for r in range(world)]
             (sum(per_rank) / (world * accum)).backward()
             losses.append([l.item() for l in per_rank])
         if clip is not None:
@@ -288,10 +290,11 @@ def eager_step_after_compile(rank: int, world: int, stage: int) -> float:
 
 
 def new_shapes(rank: int, world: int, config: dict, seq_lens: list[int], batch_sizes: list[int],
-               mark_dynamic: bool) -> dict:
+               mark_dynamic: bool, rank_seq_offset: int = 0) -> dict:
     """Train the GPT on batches whose sequence length and batch size change (the user's own loop: slices of a
-    batch, AdamW), optionally marking both dims dynamic (torch._dynamo.mark_dynamic) on the model's inputs; returns
-    the consolidated parameters, the losses and how many graphs dynamo compiled."""
+    batch, AdamW), optionally marking both dims dynamic (torch._dynamo.mark_dynamic) on the model's inputs; rank r's
+    sequences are `rank_seq_offset * r` longer. Returns the consolidated parameters, the losses and how many graphs
+    dynamo compiled."""
     from torch._dynamo.utils import counters
     device = zcompile.runtime.dist_context.DistContext.current().device
     torch._dynamo.reset()
@@ -300,7 +303,7 @@ def new_shapes(rank: int, world: int, config: dict, seq_lens: list[int], batch_s
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step, (seq, micro) in enumerate(zip(seq_lens, batch_sizes)):
-        x = rank_slice(global_batch(step, world, micro, seq), rank, world).to(device)
+        x = rank_slice(global_batch(step, world, micro, seq + rank * rank_seq_offset), rank, world).to(device)
         idx, targets = x[:, :-1], x[:, 1:]
         if mark_dynamic:
             for t in (idx, targets):
