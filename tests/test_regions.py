@@ -64,21 +64,27 @@ def compile_net(depth: int, dynamic: bool | None = None, block=Block):
     return net, run, programs
 
 
+def assert_matches_the_model(net, run, x, atol):
+    """The compiled program's loss and gradients are the module's own (eager) ones for input `x`."""
+    loss = run(x)
+    loss.backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    ref = net(x)
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=atol), tuple(x.shape)
+    for g, p in zip(grads, net.parameters()):
+        assert torch.allclose(g, p.grad, atol=atol), tuple(x.shape)
+    net.zero_grad()
+
+
 def test_repeated_blocks_compile_once_at_any_depth_and_match_the_model():
     x = torch.randn(4, 16)
     counts = {}
     for depth in (4, 8):
         torch._dynamo.reset()
         net, run, programs = compile_net(depth)
-        loss = run(x)
-        loss.backward()
-        grads = [p.grad.clone() for p in net.parameters()]
-        net.zero_grad()
-        ref = net(x)
-        ref.backward()
-        assert torch.allclose(loss, ref, atol=1e-6)
-        for g, p in zip(grads, net.parameters()):
-            assert torch.allclose(g, p.grad, atol=1e-6)
+        assert_matches_the_model(net, run, x, atol=1e-6)
         counts[depth] = {k: (p.regions, p.compiled) for k, p in programs.items()}
         for kind, p in programs.items():
             assert p.regions == depth, (kind, p.regions)  # one region per block, the other modules join the ends
@@ -95,17 +101,7 @@ def test_a_dynamic_batch_compiles_the_same_regions_once_for_every_size():
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     net, run, programs = compile_net(4, dynamic=True, block=PairBlock)
     for n in (3, 5, 8):
-        x = torch.randn(n, 16)
-        loss = run(x)
-        loss.backward()
-        grads = [p.grad.clone() for p in net.parameters()]
-        net.zero_grad()
-        ref = net(x)
-        ref.backward()
-        assert torch.allclose(loss, ref, atol=1e-5), n
-        for g, p in zip(grads, net.parameters()):
-            assert torch.allclose(g, p.grad, atol=1e-5), n
-        net.zero_grad()
+        assert_matches_the_model(net, run, torch.randn(n, 16), atol=1e-5)
     for kind, p in programs.items():
         assert p.regions == 4 and p.compiled <= 3, (kind, p.regions, p.compiled)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
