@@ -13,6 +13,24 @@ from tests.test_parity import TOL, max_diff
 from zcompile.compiler import liveness
 
 
+@pytest.mark.parametrize("bounded", [True, False])
+def test_liveness_plans_a_dynamic_size_at_its_declared_maximum(bounded):
+    """A dim marked dynamic with a maximum is planned at that maximum (memory_budget then checks the worst batch);
+    unbounded, at the size the graph was compiled for."""
+    from torch._dynamo.backends.common import aot_autograd
+    peaks = []
+
+    def fw(gm, example_inputs):
+        peaks.append(liveness.analyze(gm).peak_bytes)
+        return gm.forward
+    torch._dynamo.reset()
+    run = torch.compile(lambda x: (x * 2 + 1).sum(), backend=aot_autograd(fw_compiler=fw))
+    x = torch.randn(4, 100)
+    torch._dynamo.mark_dynamic(x, 1, **({"min": 2, "max": 512} if bounded else {}))
+    run(x)
+    assert peaks == [2 * 4 * (512 if bounded else 100) * 4], peaks  # x * 2 and its + 1: two 4 x T fp32 tensors
+
+
 def test_liveness_is_alias_aware():
     def f(x):
         y = x * 2            # 4 KiB

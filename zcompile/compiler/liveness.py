@@ -43,9 +43,16 @@ def _tensors(val) -> list[torch.Tensor]:
 
 def _nbytes(t: torch.Tensor) -> int:
     n = t.untyped_storage().nbytes()
-    if isinstance(n, torch.SymInt):
-        n = n.node.hint if n.node.has_hint() else 0
-    return int(n)
+    return planned_size(n) if isinstance(n, torch.SymInt) else int(n)
+
+
+def planned_size(n: torch.SymInt) -> int:
+    """A dynamic size as the plan counts it: at its largest if the user bounded its dims
+    (`torch._dynamo.mark_dynamic(x, dim, min=..., max=...)`), else at its value when the graph was compiled."""
+    upper = n.node.shape_env.bound_sympy(n.node.expr).upper
+    if upper.is_Integer:  # unbounded: torch's int_oo, not an Integer
+        return int(upper)
+    return int(n.node.hint) if n.node.has_hint() else 0
 
 
 def _alias_source(node: fx.Node) -> fx.Node | None:
