@@ -78,3 +78,11 @@ def test_foreach_and_fused_optimizers_refresh_whole_copies():
             assert res["losses"] == pytest.approx(want["losses"], rel=1e-5), (stage, kind)
             for name, value in want["params"].items():
                 torch.testing.assert_close(res["params"][name], value, **TOL, msg=f"{stage} {kind} {name}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_dropped_model_frees_its_shards_and_graphs(stage):
+    """dynamo keeps the function it got from the backend for the life of the process (a global of the model's
+    module, even after torch._dynamo.reset()): it must not keep the model's shards or graphs alive."""
+    for out in run_world(2, user_workers.dropped_model, stage):
+        assert out == {"first": [], "second": [], "graphs in the registry": 0}, out

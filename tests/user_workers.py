@@ -206,3 +206,31 @@ def multi_tensor_optimizers(rank: int | None, world: int, stages: list) -> dict:
                 losses.append(mean.item())
             out[(stage, kind)] = {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
     return out
+
+
+def dropped_model(rank: int, world: int, stage: int) -> dict:
+    """Train a compiled model two steps, then drop it and its optimizer as a sweep or a notebook does (no
+    torch._dynamo.reset()): which of its parameters, their shards and its compiled graphs are still alive after
+    garbage collection. Then a new model compiles and trains in the same process."""
+    import gc
+    import weakref
+    from zcompile.compiler import backend
+    alive = {}
+    for which in ("first", "second"):
+        before = set(backend._COMPILED)
+        model = build_model("gpt")
+        run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            loss_of(run, "gpt", rank_slice(_batch(step, world), rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        p = model.blocks[0].mlp[0].weight
+        refs = {"module": model, "parameter": p, "sharded": p._zc, "shard storage": p._zc.shard if p._zc.shard is not None else p._zc.full,
+                "graphs": next(iter(set(backend._COMPILED) - before))}
+        refs = {k: weakref.ref(v) for k, v in refs.items()}
+        del model, run, opt, p, before
+        gc.collect()
+        alive[which] = sorted(k for k, r in refs.items() if r() is not None)
+    alive["graphs in the registry"] = len(backend._COMPILED)
+    return alive

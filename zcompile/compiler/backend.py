@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import time
 import weakref
@@ -370,8 +371,10 @@ _COMPILED: weakref.WeakSet = weakref.WeakSet()  # registry: committed graphs sti
 
 
 def planned_step_peak() -> int:
-    """The largest planned per-rank step peak (device bytes) of the graphs compiled so far in this process:
-    resident gradients and optimizer state plus a graph's inputs and transients (planner.step_peak)."""
+    """The largest planned per-rank step peak (device bytes) of the graphs compiled in this process whose model
+    is still alive: resident gradients and optimizer state plus a graph's inputs and transients
+    (planner.step_peak)."""
+    gc.collect()  # a dropped model's parameters and graphs form cycles: free them before counting
     peaks = [planner.step_peak(planner.model_state(list(job.params.values())), job.planned)
              for job in _COMPILED if job.planned]
     return max(peaks, default=0)
@@ -465,15 +468,25 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
     )(gm, example_inputs)
 
     skip, kept = set(dropped), len(example_inputs)
+    # dynamo keeps `run` for the life of the process (a global of the user's module, even after
+    # torch._dynamo.reset()), so `run` holds the job weakly and the job lives as long as its parameters do:
+    # dropping the model frees its shards and graphs as it does without zcompile.
+    job.compiled = compiled
+    for zp in params.values():
+        zp.jobs.append(job)
+    held, job_ref = (None if params else job), weakref.ref(job)
 
     def run(*args):
+        job = held or job_ref()
+        if job is None:
+            raise ZCompileError("this compiled graph's parameters were freed (the model was dropped); compile the "
+                                "model again")
         # dynamo passes the meshes of DTensor parameters as graph inputs on some versions, not on others
         args = [a for k, a in enumerate(args) if k not in skip] if len(args) > kept else list(args)
-        for i, zp in params.items():
+        for i, zp in job.params.items():
             args[i] = zp.graph_input(args[i])
-        return compiled(*args)
+        return job.compiled(*args)
 
-    run.zc_job = job
     return job, run
 
 

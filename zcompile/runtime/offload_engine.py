@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import threading
+import weakref
 
 import torch
 
@@ -123,7 +124,7 @@ def pool() -> concurrent.futures.ThreadPoolExecutor:
 
 # -- parameter shards on NVMe: registry and read-ahead
 
-SHARDS: dict[int, object] = {}  # key -> ShardedParam whose shard lives in an NVMe file
+SHARDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> ShardedParam whose shard is on NVMe
 
 
 class ReadAhead:
