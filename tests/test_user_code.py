@@ -86,3 +86,12 @@ def test_a_dropped_model_frees_its_shards_and_graphs(stage):
     module, even after torch._dynamo.reset()): it must not keep the model's shards or graphs alive."""
     for out in run_world(2, user_workers.dropped_model, stage):
         assert out == {"first": [], "second": [], "graphs in the registry": 0}, out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_full_state_dict_broadcast_from_rank_0_loads_into_the_compiled_model(stage):
+    """set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) after a step: the next compiled
+    forward computes with the loaded weights (stage 2's whole copies refreshed), on every rank."""
+    for out in run_world(2, user_workers.load_full_state_dict, stage):
+        assert out["max_diff"] == 0.0, out
+        assert out["loss"] == pytest.approx(out["expected"], rel=1e-6), out

@@ -234,3 +234,24 @@ def dropped_model(rank: int, world: int, stage: int) -> dict:
         alive[which] = sorted(k for k, r in refs.items() if r() is not None)
     alive["graphs in the registry"] = len(backend._COMPILED)
     return alive
+
+
+def load_full_state_dict(rank: int, world: int, stage: int) -> dict:
+    """After a training step, load a full (unsharded) state dict of other weights as FSDP2 users load a pretrained
+    checkpoint: rank 0 alone holds it, torch.distributed.checkpoint's set_model_state_dict broadcasts and shards it.
+    The next compiled forward must see the new weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    model = build_model("gpt")
+    run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = rank_slice(_batch(0, world), rank, world)
+    loss_of(run, "gpt", x).backward()
+    opt.step()
+    pretrained = build_model("gpt", seed=5).state_dict()
+    set_model_state_dict(model, dict(pretrained) if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        loss = loss_of(run, "gpt", x).item()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {"loss": loss, "expected": loss_of(build_model("gpt", seed=5), "gpt", x).item(),
+            "max_diff": max((full[k] - v).abs().max().item() for k, v in pretrained.items())}
