@@ -255,3 +255,38 @@ def load_full_state_dict(rank: int, world: int, stage: int) -> dict:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {"loss": loss, "expected": loss_of(build_model("gpt", seed=5), "gpt", x).item(),
             "max_diff": max((full[k] - v).abs().max().item() for k, v in pretrained.items())}
+
+
+def gradient_checkpointing(rank: int | None, world: int, stage: int | None, backend: str = "eager") -> dict:
+    """A Hugging Face Llama with `gradient_checkpointing_enable()` (torch.utils.checkpoint, non-reentrant, per decoder
+    layer) trained two steps. Compiled: also the bytes the forward saves for the backward, with checkpointing and
+    without (a second model). rank None: the single-process reference."""
+    from zcompile.compiler import backend as zbackend
+
+    def compiled(model):
+        before = set(zbackend._COMPILED)
+        run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": backend}})
+        return run, lambda: set(zbackend._COMPILED) - before
+
+    def saved_bytes(jobs) -> int:
+        outs = [o for job in jobs for o in job.final["forward"].graph.output_node().args[0][job.num_fwd_outputs:]]
+        return sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in outs
+                   if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor))
+
+    model = build_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run, jobs = (model, None) if rank is None else compiled(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # not Adam: it scales near-zero gradients' rounding up to lr
+    for step in range(2):
+        x = _batch(step, world)
+        ranks = range(world) if rank is None else [rank]
+        (sum(loss_of(run, "llama", rank_slice(x, r, world)) for r in ranks) / len(ranks)).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {"params": {n: _full(p) for n, p in model.named_parameters()}}
+    if rank is not None:
+        out["saved with checkpointing"] = saved_bytes(jobs())
+        plain, jobs = compiled(build_model("llama"))
+        loss_of(plain, "llama", rank_slice(_batch(0, world), rank, world)).backward()
+        out["saved without"] = saved_bytes(jobs())
+    return out

@@ -167,7 +167,8 @@ def _calls(node: torch.fx.Node, method: str) -> bool:
 
 
 def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, dict, list[int]]:
-    """Collapse `placeholder(DTensor) -> redistribute -> to_local` into a plain full-shape placeholder.
+    """Collapse `placeholder(DTensor) -> redistribute -> to_local` into a plain full-shape placeholder, also where the
+    chain is inside the body of an activation checkpoint (torch.utils.checkpoint under dynamo).
 
     Returns (example inputs for AOTAutograd, {input index: ShardedParam}, indices of dropped inputs: the meshes)."""
     from torch._guards import detect_fake_mode
@@ -178,21 +179,12 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
         zp = shard_store.owner(x) if isinstance(x, DTensor) else None
         if zp is None:
             continue
-        for use in list(ph.users):
-            if not _calls(use, "redistribute") or not all(_calls(u, "to_local") for u in use.users):
-                raise ZCompileError(
-                    f"parameter {ph.name} of shape {list(zp.shape)} is used as a DTensor inside the compiled region "
-                    f"({use.format_node()}); read it as a module attribute (self.<name>) there, which gives the "
-                    "whole tensor, or call it outside the compiled model")
-            for to_local in list(use.users):
-                to_local.replace_all_uses_with(ph)
-                gm.graph.erase_node(to_local)
-            gm.graph.erase_node(use)
         with fake_mode:
             fake = torch.empty(zp.shape, dtype=zp.dtype, device=zp.standin_device, requires_grad=x.requires_grad)
-        ph.meta["example_value"] = fake
+        _collapse(gm, ph, zp, fake)
         inputs[k] = fake
         params[k] = zp
+    _drop_unused_operands(gm)
     dropped = [k for k, (ph, x) in enumerate(zip(phs, example_inputs)) if isinstance(x, DeviceMesh) and not ph.users]
     for k in dropped:
         gm.graph.erase_node(phs[k])
@@ -202,3 +194,54 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
     drop = set(dropped)
     kept = [k for k in range(len(inputs)) if k not in drop]  # old index of each kept input
     return [inputs[k] for k in kept], {new: params[k] for new, k in enumerate(kept) if k in params}, dropped
+
+
+# Higher-order ops that call their body (args[0]) with the rest of their args: torch.utils.checkpoint under dynamo
+_WRAPPERS = (torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap)
+
+
+def _wraps(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _WRAPPERS
+
+
+def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.ShardedParam, fake: torch.Tensor) -> None:
+    """Each `redistribute -> to_local` of placeholder `ph` becomes `ph`, which now stands for the whole parameter
+    (`fake`); a wrapper that takes `ph` passes it on, so the same happens to its body's placeholder."""
+    for use in list(ph.users):
+        if _wraps(use):
+            body = getattr(gm, use.args[0].target)
+            inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+            for i, arg in enumerate(use.args[1:]):
+                if arg is ph:
+                    _collapse(body, inner[i], zp, fake)
+            body.graph.lint()
+            body.recompile()
+            continue
+        if not _calls(use, "redistribute") or not all(_calls(u, "to_local") for u in use.users):
+            raise ZCompileError(
+                f"parameter {ph.name} of shape {list(zp.shape)} is used as a DTensor inside the compiled region "
+                f"({use.format_node()}); read it as a module attribute (self.<name>) there, which gives the "
+                "whole tensor, or call it outside the compiled model")
+        for to_local in list(use.users):
+            to_local.replace_all_uses_with(ph)
+            gm.graph.erase_node(to_local)
+        gm.graph.erase_node(use)
+    ph.meta["example_value"] = fake
+
+
+def _drop_unused_operands(gm: torch.fx.GraphModule) -> None:
+    """A wrapper's body no longer reads the meshes it redistributed over: drop them from body and call."""
+    for node in list(gm.graph.nodes):
+        if not _wraps(node):
+            continue
+        body = getattr(gm, node.args[0].target)
+        _drop_unused_operands(body)
+        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+        unused = {i for i, p in enumerate(inner) if not p.users}
+        if not unused:
+            continue
+        for i in unused:
+            body.graph.erase_node(inner[i])
+        node.args = (node.args[0], *[a for i, a in enumerate(node.args[1:]) if i not in unused])
+        body.graph.lint()
+        body.recompile()
