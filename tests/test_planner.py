@@ -53,6 +53,11 @@ def test_parameters_kept_whole_survive_a_recompile_for_new_shapes():
     for res in run_world(2, workers.new_shapes, config, seq_lens, sizes, False):
         assert res["persistent"] == 26 and res["graphs"] == 2, (res["persistent"], res["graphs"])
         assert max_diff(res["params"], ref_params) < TOL
+        # the dynamic graph's sizes have no declared maximum: the budget was checked at 24 tokens and 3 sequences
+        # (the step that recompiled), and the user is told so, once
+        [warning] = res["budget warnings"]
+        assert "L['idx'].size()[0] = 3" in warning and "L['idx'].size()[1] = 24" in warning, warning
+        assert "mark_dynamic(x, dim, min=..., max=...)" in warning, warning
 
 
 def test_a_dynamic_dim_is_planned_at_its_declared_maximum():

@@ -18,10 +18,11 @@ def test_liveness_plans_a_dynamic_size_at_its_declared_maximum(bounded):
     """A dim marked dynamic with a maximum is planned at that maximum (memory_budget then checks the worst batch);
     unbounded, at the size the graph was compiled for."""
     from torch._dynamo.backends.common import aot_autograd
-    peaks = []
+    peaks, unbounded = [], []
 
     def fw(gm, example_inputs):
         peaks.append(liveness.analyze(gm).peak_bytes)
+        unbounded.append(list(liveness.unbounded_sizes(gm).values()))
         return gm.forward
     torch._dynamo.reset()
     run = torch.compile(lambda x: (x * 2 + 1).sum(), backend=aot_autograd(fw_compiler=fw))
@@ -29,6 +30,7 @@ def test_liveness_plans_a_dynamic_size_at_its_declared_maximum(bounded):
     torch._dynamo.mark_dynamic(x, 1, **({"min": 2, "max": 512} if bounded else {}))
     run(x)
     assert peaks == [2 * 4 * (512 if bounded else 100) * 4], peaks  # x * 2 and its + 1: two 4 x T fp32 tensors
+    assert unbounded == [[] if bounded else [100]], unbounded  # what memory_budget warns about (backend)
 
 
 def test_liveness_is_alias_aware():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -302,20 +304,23 @@ def new_shapes(rank: int, world: int, config: dict, seq_lens: list[int], batch_s
     model = torch.compile(build_model("gpt").to(device), backend="zero", options={"config": config})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
-    for step, (seq, micro) in enumerate(zip(seq_lens, batch_sizes)):
-        x = rank_slice(global_batch(step, world, micro, seq + rank * rank_seq_offset), rank, world).to(device)
-        idx, targets = x[:, :-1], x[:, 1:]
-        if mark_dynamic:
-            for t in (idx, targets):
-                torch._dynamo.mark_dynamic(t, 0)
-                torch._dynamo.mark_dynamic(t, 1)
-        loss = model(idx, targets).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    with warnings.catch_warnings(record=True) as warned:  # the budget's note on dynamic sizes (backend)
+        warnings.simplefilter("always")
+        for step, (seq, micro) in enumerate(zip(seq_lens, batch_sizes)):
+            x = rank_slice(global_batch(step, world, micro, seq + rank * rank_seq_offset), rank, world).to(device)
+            idx, targets = x[:, :-1], x[:, 1:]
+            if mark_dynamic:
+                for t in (idx, targets):
+                    torch._dynamo.mark_dynamic(t, 0)
+                    torch._dynamo.mark_dynamic(t, 1)
+            loss = model(idx, targets).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
     return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses,
             "graphs": counters["stats"]["unique_graphs"] - before,
+            "budget warnings": [str(w.message) for w in warned if "memory_budget is checked" in str(w.message)],
             "persistent": sum(bool(getattr(p._zc, "persistent", False)) for p in model.parameters())}
 
 

@@ -19,6 +19,7 @@ import functools
 import gc
 import itertools
 import time
+import warnings
 import weakref
 
 import torch
@@ -72,7 +73,7 @@ def _propagated_for(phs: list[fx.Node], inputs: list) -> bool:
         return False
     for v, x in zip(vals, inputs):
         if isinstance(v, torch.SymInt) and isinstance(x, torch.SymInt):
-            if v.node.expr != x.node.expr:
+            if _sizes((v,)) != _sizes((x,)):
                 return False
             continue
         if not (isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor)):
@@ -205,6 +206,22 @@ class _GraphCompile:
         if chosen or budget is not None or self.cfg.persist_threshold_bytes:
             self.notes.append(why)
 
+    def _note_unbounded_sizes(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """memory_budget checks a dynamic size at its declared maximum; one without is checked only at its
+        compile-time value: say so (a warning and a note in the dumps), since a larger batch may then not fit."""
+        sizes = {k: v for gm in graphs.values() for k, v in liveness.unbounded_sizes(gm).items()}
+        if not sizes:
+            return
+        msg = (f"{self.cfg.source}: memory_budget is checked with the dynamic sizes "
+               + ", ".join(f"{k} = {v}" for k, v in sorted(sizes.items()))
+               + f" of graph {self.graph_id} ({self.inputs_text}) at their compile-time values: nothing declares "
+               "their maximum, so a larger batch or sequence is not checked against the budget. Declare it with "
+               "torch._dynamo.mark_dynamic(x, dim, min=..., max=...) on the inputs")
+        self.notes.append(msg)
+        for gm in graphs.values():
+            gm.meta.setdefault("zc_notes", []).append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
     def check_budget(self, graphs: dict[str, fx.GraphModule]) -> None:
         """A plan whose step peak exceeds `memory_budget` fails here (over_budget: error), before anything runs."""
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
@@ -213,6 +230,7 @@ class _GraphCompile:
                 zp.decide_optimizer_tier(offload=False)  # 'auto' without a budget: nothing asks to offload
             return
         lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
+        self._note_unbounded_sizes(graphs)
         zps = list(self.params.values())
         state = planner.model_state(zps)
         peak = planner.step_peak(state, lives)

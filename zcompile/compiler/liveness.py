@@ -55,6 +55,27 @@ def planned_size(n: torch.SymInt) -> int:
     return int(n.node.hint) if n.node.has_hint() else 0
 
 
+def unbounded_sizes(gm: fx.GraphModule) -> dict[str, int]:
+    """The graph's dynamic sizes that have no declared maximum, by the input they come from (dynamo's source, e.g.
+    `L['idx'].size()[1]`), with their compile-time values: the plan counts them at those values (planned_size), so a
+    later, larger input is not covered by it."""
+    out: dict[str, int] = {}
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        val = ph.meta.get("val")
+        dims = val.shape if isinstance(val, torch.Tensor) else (val,) if isinstance(val, torch.SymInt) else ()
+        for d in dims:
+            if not isinstance(d, torch.SymInt):
+                continue
+            env = d.node.shape_env
+            for sym in d.node.expr.free_symbols:
+                if env.bound_sympy(sym).upper.is_Integer:
+                    continue
+                sources = env.var_to_sources.get(sym) or []
+                name = sources[0].name if sources else str(sym)
+                out[name() if callable(name) else name] = int(env.var_to_val.get(sym, 0))  # method or property
+    return out
+
+
 def _alias_source(node: fx.Node) -> fx.Node | None:
     """The input whose storage `node`'s output is, by the op's schema (`Tensor(a!) out -> Tensor(a!)`, views);
     fake propagation of out= collectives returns a fresh tensor, which would count the buffer twice."""
