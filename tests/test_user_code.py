@@ -1,5 +1,7 @@
 """The module's parameters are DTensor shards: ordinary torch and Hugging Face code around the model works as with
 FSDP2, compared against a single-process reference of the same data-parallel math."""
+import math
+
 import pytest
 import torch
 
@@ -108,3 +110,14 @@ def test_hugging_face_gradient_checkpointing_trains_like_the_reference_and_saves
         for name, value in ref["params"].items():
             torch.testing.assert_close(out["params"][name], value, rtol=1e-5, atol=1e-7, msg=name)  # SGD: exact
         assert out["saved with checkpointing"] < 0.6 * out["saved without"], out
+
+
+def test_dropout_trains_under_inductor():
+    """Dropout's random ops reach inductor only as its joint-graph pass rewrites them (seeded), which zcompile runs
+    since it partitions the graph itself; without that every model with dropout failed to compile under the default
+    backend (LoweringException: should have been handled in replace_random.py)."""
+    for out in run_world(2, user_workers.dropout_under_inductor, 3):
+        assert all(map(math.isfinite, out["losses"])), out
+        same, again, other = out["draws"]
+        assert same == again and other != same, out["draws"]
+        assert out["eval"][0] == pytest.approx(out["eval"][1], rel=1e-5), out["eval"]

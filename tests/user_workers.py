@@ -290,3 +290,32 @@ def gradient_checkpointing(rank: int | None, world: int, stage: int | None, back
         loss_of(plain, "llama", rank_slice(_batch(0, world), rank, world)).backward()
         out["saved without"] = saved_bytes(jobs())
     return out
+
+
+def dropout_under_inductor(rank: int, world: int, stage: int) -> dict:
+    """The GPT with dropout 0.1 under the default graph compiler (inductor): train two steps, then in train mode
+    under no_grad the same seed gives the same loss and another draw a different one (dropout is on and seeded
+    from torch's generator), and in eval mode the compiled loss equals an eager forward of the module's own
+    parameters."""
+    model = build_model("gpt_dropout")
+    run = torch.compile(model, backend="zero", options={"config": {"stage": stage}})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = rank_slice(_batch(0, world), rank, world)
+    losses = []
+    for step in range(2):
+        torch.manual_seed(step)
+        loss = loss_of(run, "gpt_dropout", x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        draws = []
+        for seed in (7, 7, None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            draws.append(loss_of(run, "gpt_dropout", x).item())
+        model.eval()
+        compiled_eval = loss_of(run, "gpt_dropout", x).item()
+        eager_eval = loss_of(model, "gpt_dropout", x).item()
+    return {"losses": losses, "draws": draws, "eval": (compiled_eval, eager_eval)}

@@ -261,10 +261,28 @@ class _GraphCompile:
             return
         raise MemoryBudgetError(msg)
 
+    def seed_random_ops(self, gm: fx.GraphModule) -> None:
+        """Inductor lowers random ops (dropout's `rand`) only as its joint-graph pass rewrites them: seeded
+        `inductor_random`, one seed per op. torch.compile runs that pass in its own partition function; zcompile
+        partitions itself, so it runs the pass here (the graph then also keeps the seeds for the backward)."""
+        if self.cfg.backend != "inductor":
+            return
+        from torch._inductor.fx_passes.replace_random import replace_random_passes
+        from torch._inductor.virtualized import V
+        from torch.fx.passes.tools_common import legalize_graph
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
+        with V.set_fake_mode(fake_mode):
+            changed = replace_random_passes(gm)
+        if changed:
+            legalize_graph(gm)
+            gm.graph.lint()
+            gm.recompile()
+
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         self.dump("joint", "input", joint)
         with self.timed("zcompile passes"):
             joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
+        self.seed_random_ops(joint)
         with self.timed("partition"):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                          **kwargs)
@@ -293,6 +311,7 @@ class _GraphCompile:
 
     def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "inference":
+            self.seed_random_ops(gm)
             self.plan_persistence({"inference": gm})
             gm, pctx = self.split_passes(gm, kind)
             self.check_budget({"inference": gm})

@@ -497,8 +497,10 @@ def _check_all_managed(optimizer: torch.optim.Optimizer) -> None:
         raise RuntimeError(
             f"{len(stray)} parameter(s) with gradients (shapes {stray[:4]}{'...' if len(stray) > 4 else ''}) were "
             "never an input of a graph compiled by the zero backend, so their gradients were not reduced across "
-            "ranks. They ran in eager code: look for a graph break dynamo could not resume from (e.g. inside a loop "
-            "over layers; TORCH_LOGS=graph_breaks shows them), or keep such parameters out of this optimizer.")
+            "ranks. They ran in eager code: compile the whole model, not only some of its submodules "
+            "(torch.compile(model, backend='zero', ...) or model.compile(...)); otherwise look for a graph break "
+            "dynamo could not resume from (e.g. inside a loop over layers; TORCH_LOGS=graph_breaks shows them), or "
+            "keep such parameters out of this optimizer.")
 
 
 def _has_eager_grad(zp: ShardedParam) -> bool:
