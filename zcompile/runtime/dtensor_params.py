@@ -207,6 +207,8 @@ def _wraps(node: torch.fx.Node) -> bool:
 def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.ShardedParam, fake: torch.Tensor) -> None:
     """Each `redistribute -> to_local` of placeholder `ph` becomes `ph`, which now stands for the whole parameter
     (`fake`); a wrapper that takes `ph` passes it on, so the same happens to its body's placeholder."""
+    if "example_value" in ph.meta and not isinstance(ph.meta["example_value"], DTensor):
+        return  # a body that several wrapper calls share: collapsed already
     for use in list(ph.users):
         if _wraps(use):
             body = getattr(gm, use.args[0].target)
