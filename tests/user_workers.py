@@ -211,7 +211,7 @@ def multi_tensor_optimizers(rank: int | None, world: int, stages: list) -> dict:
 def dropped_model(rank: int, world: int, stage: int) -> dict:
     """Train a compiled model two steps, then drop it and its optimizer as a sweep or a notebook does (no
     torch._dynamo.reset()): which of its parameters, their shards and its compiled graphs are still alive after
-    garbage collection. Then a new model compiles and trains in the same process."""
+    garbage collection; twice, so the second model compiles and trains after the first was dropped."""
     import gc
     import weakref
     from zcompile.compiler import backend
@@ -226,10 +226,11 @@ def dropped_model(rank: int, world: int, stage: int) -> dict:
             opt.step()
             opt.zero_grad()
         p = model.blocks[0].mlp[0].weight
-        refs = {"module": model, "parameter": p, "sharded": p._zc, "shard storage": p._zc.shard if p._zc.shard is not None else p._zc.full,
+        storage = p._zc.shard if p._zc.shard is not None else p._zc.full
+        refs = {"module": model, "parameter": p, "sharded": p._zc, "shard storage": storage,
                 "graphs": next(iter(set(backend._COMPILED) - before))}
         refs = {k: weakref.ref(v) for k, v in refs.items()}
-        del model, run, opt, p, before
+        del model, run, opt, p, storage, before
         gc.collect()
         alive[which] = sorted(k for k, r in refs.items() if r() is not None)
     alive["graphs in the registry"] = len(backend._COMPILED)
