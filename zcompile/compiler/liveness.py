@@ -46,12 +46,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return planned_size(n) if isinstance(n, torch.SymInt) else int(n)
 
 
+def _declared_max(env, expr) -> int | None:
+    """The largest value of a dynamic size the user's bounds allow (`mark_dynamic(x, dim, min=..., max=...)`), or
+    None when nothing bounds it (torch's int_oo, not an Integer)."""
+    upper = env.bound_sympy(expr).upper
+    return int(upper) if upper.is_Integer else None
+
+
 def planned_size(n: torch.SymInt) -> int:
     """A dynamic size as the plan counts it: at its largest if the user bounded its dims
     (`torch._dynamo.mark_dynamic(x, dim, min=..., max=...)`), else at its value when the graph was compiled."""
-    upper = n.node.shape_env.bound_sympy(n.node.expr).upper
-    if upper.is_Integer:  # unbounded: torch's int_oo, not an Integer
-        return int(upper)
+    upper = _declared_max(n.node.shape_env, n.node.expr)
+    if upper is not None:
+        return upper
     return int(n.node.hint) if n.node.has_hint() else 0
 
 
@@ -68,7 +75,7 @@ def unbounded_sizes(gm: fx.GraphModule) -> dict[str, int]:
                 continue
             env = d.node.shape_env
             for sym in d.node.expr.free_symbols:
-                if env.bound_sympy(sym).upper.is_Integer:
+                if _declared_max(env, sym) is not None:
                     continue
                 sources = env.var_to_sources.get(sym) or []
                 name = sources[0].name if sources else str(sym)
