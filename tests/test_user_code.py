@@ -123,3 +123,32 @@ def test_dropout_trains_under_inductor():
         same, again, other = out["draws"]
         assert same == again and other != same, out["draws"]
         assert out["eval"][0] == pytest.approx(out["eval"][1], rel=1e-5), out["eval"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_replacing_parameter_tensors_keeps_them_sharded_and_in_use(stage):
+    """model.to()/float() (nn.Module._apply swaps each DTensor's contents), load_state_dict(assign=True) and
+    load_state_dict of whole plain tensors after the model was sharded: each compiled forward computes with the
+    new values, the optimizer built before the first forward steps them, as in the reference. model.double() and
+    `p.data = t` fail at once with an error naming the parameter, and the model keeps its values."""
+    ref = user_workers.replaced_tensors(None, 2, None)
+    for out in run_world(2, user_workers.replaced_tensors, stage):
+        for key in ("before", "after to()", "after assign", "after whole", "after whole assign"):
+            assert out[key] == pytest.approx(ref[key], rel=1e-5), (key, out[key], ref[key])
+        assert ref["after assign"] != pytest.approx(ref["after to()"], rel=1e-3)  # the loads changed the weights
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+        assert out["same object"]
+        assert "wte.weight torch.float64 after zcompile sharded it" in out["double"], out["double"]
+        assert out["kept after double"] == (True, torch.float32)
+        assert "parameter blocks.0.mlp.0.weight was assigned with `p.data = ...`" in out["data ="], out["data ="]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_writes_between_steps_reach_an_offloaded_optimizer(stage):
+    """With the optimizer on the host, a write to the parameters between steps (p.mul_, load_state_dict) is what the
+    next step updates (it was reverted to the host master's values before); a step without writes moves no more
+    than the gradients to the host."""
+    for out in run_world(2, user_workers.writes_with_offloaded_optimizer, stage):
+        assert out["in place"] == 0.0 and out["load_state_dict"] == 0.0, out
+        assert out["host bytes of a plain step"]["device->cpu"] <= out["gradient bytes"] * 1.1, out

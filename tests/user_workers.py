@@ -321,3 +321,97 @@ def dropout_under_inductor(rank: int, world: int, stage: int) -> dict:
         compiled_eval = loss_of(run, "gpt_dropout", x).item()
         eager_eval = loss_of(model, "gpt_dropout", x).item()
     return {"losses": losses, "draws": draws, "eval": (compiled_eval, eager_eval)}
+
+
+def replaced_tensors(rank: int | None, world: int, stage: int | None) -> dict:
+    """After a training step and an eval forward, torch code that replaces the parameters' tensors: model.to() and
+    model.float() (nn.Module._apply swaps each DTensor's contents), load_state_dict(assign=True) of the module's own
+    state dict halved (other DTensor objects), load_state_dict of whole plain tensors (as from torch.load), also with
+    assign=True; then a step of the optimizer built before the first forward. rank None: the single-process reference
+    (plain tensors, no assign: the values are the same). Also what model.double() does then, and `p.data = t`."""
+    from zcompile.errors import ZeroError
+    model = build_model("gpt")
+    run = model if rank is None else torch.compile(model, backend="zero",
+                                                   options={"config": {"stage": stage, "backend": "eager"}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # not Adam: it scales rounding up to lr
+    ranks = range(world) if rank is None else [rank]
+
+    def step(i):
+        x = _batch(i, world)
+        loss = sum(loss_of(run, "gpt", rank_slice(x, r, world)) for r in ranks) / len(ranks)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def eval_loss():  # the mean over every rank's slice
+        with torch.no_grad():
+            loss = sum(loss_of(run, "gpt", rank_slice(_batch(9, world), r, world)) for r in ranks)
+        if rank is not None:
+            dist.all_reduce(loss)
+        return loss.item() / world
+
+    step(0)
+    out = {"before": eval_loss()}
+    wte = model.wte.weight
+    model.to("cpu")
+    model.float()
+    out["after to()"] = eval_loss()
+    halved = {k: v.detach() * 0.5 for k, v in model.state_dict().items()}
+    model.load_state_dict(halved, assign=rank is not None)
+    out["after assign"] = eval_loss()
+    whole = {k: _full(v) * 0.5 for k, v in model.state_dict().items()}
+    model.load_state_dict(whole)
+    out["after whole"] = eval_loss()
+    model.load_state_dict({k: v * 2 for k, v in whole.items()}, assign=rank is not None)
+    out["after whole assign"] = eval_loss()
+    step(1)
+    out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    out["same object"] = model.wte.weight is wte
+    if rank is not None:
+        kept = eval_loss()
+        try:
+            model.double()
+        except ZeroError as e:
+            out["double"] = str(e)
+        out["kept after double"] = (eval_loss() == kept, model.wte.weight.dtype)
+        model.blocks[0].mlp[0].weight.data = model.blocks[0].mlp[0].weight.detach() * 0.5
+        try:
+            eval_loss()
+        except ZeroError as e:
+            out["data ="] = str(e)
+    return out
+
+
+def writes_with_offloaded_optimizer(rank: int, world: int, stage: int) -> dict:
+    """With the optimizer offloaded (it steps host fp32 masters), writes to the parameters between steps, in place
+    (`p.mul_` under no_grad) or by load_state_dict, must reach what the next step updates. SGD with lr 0: after the
+    step each parameter holds exactly what was written. Also the host traffic of a step without writes."""
+    from zcompile.runtime import offload_engine
+    model = build_model("gpt")
+    run = torch.compile(model, backend="zero", options={"config": {
+        "stage": stage, "backend": "eager", "offload": {"optimizer": "cpu"}}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = rank_slice(_batch(0, world), rank, world)
+
+    def step():
+        loss_of(run, "gpt", x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    out = {}
+    offload_engine.reset_offload_traffic()
+    step()
+    out["host bytes of a plain step"] = dict(offload_engine.offload_traffic())
+    out["gradient bytes"] = sum(p.to_local().numel() * 4 for p in model.parameters())
+    for how in ("in place", "load_state_dict"):
+        before = {n: _full(p) for n, p in model.named_parameters()}
+        if how == "in place":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        else:
+            model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+        step()
+        out[how] = max((_full(p) - before[n] * 0.5).abs().max().item() for n, p in model.named_parameters())
+    return out

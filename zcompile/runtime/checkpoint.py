@@ -271,9 +271,7 @@ def _load_dcp(directory: str, model: nn.Module, optimizer, cfg, ctx: DistContext
     with torch.no_grad():
         for zp in plain:  # registered from the values before loading: take the loaded ones
             if zp.stage >= Stage.GRADIENTS:
-                flat = torch.zeros(zp.shard_numel, dtype=zp.dtype, device=zp.param.device)
-                flat[: zp.hi - zp.lo].copy_(zp.param.detach().reshape(-1)[zp.lo:zp.hi])
-                zp.load_values(flat)
+                zp.load_rows(zp.param.detach().reshape(-1)[zp.lo:zp.hi])
 
 
 def _plain_shards(module: nn.Module) -> list:

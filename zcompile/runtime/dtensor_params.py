@@ -19,19 +19,21 @@ Not DTensors (they stay plain, storage-free stand-ins as before): 0-d parameters
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from zcompile.runtime import dist_context, shard_store
-from zcompile.errors import ZCompileError
+from zcompile.errors import ZCompileError, ZeroError
 from zcompile.config import Stage, Tier
 
 _MESHES: dict = {}  # cache: (group name, device type) -> DeviceMesh over that group
 _CLASSES: dict = {}  # cache: (module class, parameter names) -> its subclass with parameter properties
 _forward = threading.local()  # depth of eager forwards of modules holding DTensor parameters
+_OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {parameter name: its ShardedParam}
 
 
 def eligible(zp: shard_store.ShardedParam) -> bool:
@@ -50,9 +52,11 @@ def mesh_for(zp: shard_store.ShardedParam, ctx: dist_context.DistContext, timeou
 
 def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout_s: float) -> nn.Parameter:
     """The DTensor parameter whose local tensor is this rank's rows of zp's storage."""
-    param = nn.Parameter(zp.as_dtensor(zp.local_rows(), mesh_for(zp, ctx, timeout_s)), requires_grad=requires_grad)
+    zp.mesh = mesh_for(zp, ctx, timeout_s)
+    param = nn.Parameter(zp.as_dtensor(zp.local_rows(), zp.mesh), requires_grad=requires_grad)
     param._zc = zp
     zp.dtensor = param
+    zp.wrapper_storage = param.untyped_storage()._cdata
     retire(zp)
     zp.seen_version = zp.versions()
     return param
@@ -91,7 +95,7 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     """Replace every eligible parameter of `root` (and its submodules, tied ones once) by its DTensor; `register`
     maps a plain parameter to its ShardedParam. Returns how many were replaced."""
     done: dict[int, nn.Parameter] = {}
-    for module in root.modules():
+    for path, module in root.named_modules():
         names = []
         for name, p in list(module._parameters.items()):
             if p is None or isinstance(p, DTensor):
@@ -100,9 +104,11 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
                 zp = register(p)
                 if not eligible(zp):
                     continue
+                zp.name = zp.name or f"{path}.{name}".lstrip(".")
                 done[id(p)] = zp.dtensor if zp.dtensor is not None else make_dtensor(zp, p.requires_grad, ctx, timeout_s)
                 p._zc_dtensor = done[id(p)]  # an optimizer built before this still holds p: adopt_optimizer maps it
             module._parameters[name] = done[id(p)]
+            _OWNED.setdefault(module, {})[name] = done[id(p)]._zc
             names.append(name)
         if names:
             _with_properties(module, names)
@@ -119,7 +125,9 @@ def _with_properties(module: nn.Module, names: list[str]) -> None:
     key = (base, want)
     if key not in _CLASSES:
         _CLASSES[key] = type(base.__name__, (base,), {**{n: property(_getter(n)) for n in want},
-                                                      "_zc_param_names": want, "__module__": base.__module__})
+                                                      "_zc_param_names": want, "_zc_base": base,
+                                                      "_apply": _apply, "_load_from_state_dict": _load_from_state_dict,
+                                                      "__module__": base.__module__})
     module.__class__ = _CLASSES[key]
     if not have:
         module.register_forward_pre_hook(_enter_forward)
@@ -157,6 +165,69 @@ class _MeanGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g / ctx.world, None
+
+
+# -- torch replacing a parameter's tensor: nn.Module._apply (model.to, .float(), .cuda()) swaps a DTensor
+# parameter's contents for a new tensor's (torch.utils.swap_tensors), load_state_dict(assign=True) installs another
+# object. Afterwards zcompile's storage (what the graphs read) takes the values and the module keeps its one parameter
+# object (what optimizers and the user hold), re-pointed at that storage: FSDP2's FSDPParam.reset_sharded_param.
+
+def _apply(self, fn, recurse=True):
+    out = self._zc_base._apply(self, fn, recurse)
+    _reattach(self, "nn.Module._apply (model.to(), .float(), .half(), .double(), .cuda(), ...)")
+    return out
+
+
+def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs):
+    for name, zp in _OWNED.get(self, {}).items():  # a whole (unsharded) tensor per rank: this rank takes its rows
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and tuple(value.shape) == zp.shape:
+            rows = zp.as_rows(value.detach().reshape(-1)[zp.lo:]).to(zp.local_rows().device)
+            state_dict[prefix + name] = zp.as_dtensor(rows, zp.mesh)
+    self._zc_base._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                        unexpected_keys, error_msgs)
+    _reattach(self, "load_state_dict(assign=True)")
+
+
+def _reattach(module: nn.Module, what: str) -> None:
+    for name, zp in _OWNED.get(module, {}).items():
+        p = module._parameters.get(name)
+        if p is None or (p is zp.dtensor and getattr(p, "_zc", None) is zp
+                         and p._local_tensor.data_ptr() == zp.local_rows().data_ptr()):
+            continue
+        problem = _mismatch(p, zp)
+        if problem is None and p._local_tensor.data_ptr() != zp.local_rows().data_ptr():
+            with torch.no_grad():
+                zp.load_rows(p._local_tensor)
+        module._parameters[name] = zp.dtensor
+        zp.dtensor._zc = zp
+        shard_store.repoint_dtensor(zp)
+        if problem is not None:
+            if zp.dtensor.grad is not None and _mismatch(zp.dtensor.grad, zp):
+                zp.dtensor.grad = None
+            raise ZeroError(
+                f"{what} made parameter {zp.name} {problem} after zcompile sharded it (at the "
+                f"first compiled forward or zcompile.shard_parameters) as a {zp.dtype} DTensor, Shard(0) over "
+                f"{zp.world} ranks, on {zp.local_rows().device.type}. Its storage and the compiled graphs keep that "
+                "layout: convert the model before it is sharded, use `mixed_precision` in the config or "
+                "torch.autocast for another compute dtype, and load state dicts without assign (they are copied in). "
+                "The parameter keeps its values")
+
+
+def _mismatch(t: torch.Tensor, zp: shard_store.ShardedParam) -> str | None:
+    """What keeps `t` from standing for zp's parameter (None: it can)."""
+    if not isinstance(t, DTensor):
+        return f"a {type(t).__name__}, not a DTensor"
+    if tuple(t.shape) != zp.shape:
+        return f"of shape {list(t.shape)}"
+    if t.dtype != zp.dtype:
+        return f"{t.dtype}"
+    if t._local_tensor.device != zp.local_rows().device:
+        return f"on {t._local_tensor.device}"
+    if tuple(t.placements) != (Shard(0),) or t.device_mesh != zp.mesh:
+        return f"placed {tuple(t.placements)} over {t.device_mesh}"
+    return None
 
 
 # -- the graph side

@@ -75,6 +75,7 @@ class ShardedParam:
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
                      if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
+        self.master_synced = 0  # the DTensor's version when the master last matched the shard (writes by the user bump it)
         self.padded_numel = self.shard_numel * self.world
         self.lo = min(self.rank * self.shard_numel, self.numel)
         self.hi = min(self.lo + self.shard_numel, self.numel)
@@ -105,6 +106,9 @@ class ShardedParam:
         self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
         self.dtensor: nn.Parameter | None = None  # the module's DTensor parameter (dtensor_params), if it has one
+        self.mesh = None  # the device mesh of that DTensor
+        self.wrapper_storage = None  # its own (data-less) storage: `p.data = t` replaces it, see check_not_reassigned
+        self.name = ""  # the parameter's name in the module that registered it (for messages)
         self.seen_version = self.versions()  # of the storage the full copy was last gathered from
         self.written = False  # the shards were written since the last gather, by a step or a load (see stale)
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
@@ -170,8 +174,21 @@ class ShardedParam:
         self.shard.detach().copy_(value)
         if self.master is not None:
             self.master.detach().copy_(value)
+            self.master_synced = self.dtensor._version if self.dtensor is not None else 0
         if self.param_tier == Tier.NVME:
             self.spill()
+
+    def load_rows(self, rows: torch.Tensor) -> None:
+        """Overwrite this rank's rows of the parameter (as_rows sizes, e.g. a DTensor's local tensor) wherever they
+        live; the whole copy (stages 1/2) is refreshed before a graph reads it."""
+        n = self.hi - self.lo
+        if self.stage >= Stage.GRADIENTS:
+            flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard.device)
+            flat[:n].copy_(rows.reshape(-1))
+            self.load_values(flat)
+        else:
+            self.local_slice()[:n].copy_(rows.reshape(-1))
+        self.written = True
 
     @property
     def param(self) -> nn.Parameter:
@@ -215,6 +232,7 @@ class ShardedParam:
         """What the compiled graph takes for this parameter, given what dynamo passed (the DTensor or the stand-in)."""
         self.compiled_calls += 1
         if self.dtensor is not None and arg is self.dtensor:
+            check_not_reassigned(self)
             if self.standin.requires_grad != self.standin_grad:
                 raise ZeroError(
                     f"requires_grad of a parameter {list(self.shape)} was changed on a reference taken before the "
@@ -316,6 +334,10 @@ class ShardedParam:
     def before_offloaded_step(self) -> None:
         self.materialize()
         holder = self.dtensor if self.dtensor is not None else self.shard
+        if self.master is not None and self.dtensor is not None and self.dtensor._version != self.master_synced:
+            # the user wrote the parameter since the last step (p.mul_, load_state_dict): the master steps from that
+            offload_engine.count("device->cpu", self.shard_numel * self.dtype.itemsize)
+            self.master.detach().copy_(self.shard.detach())
         if self.master is not None and holder.grad is not None:
             grad = holder.grad._local_tensor.reshape(-1) if self.dtensor is not None else holder.grad
             offload_engine.count("device->cpu", grad.numel() * grad.element_size())
@@ -328,6 +350,7 @@ class ShardedParam:
         if self.master is not None:
             offload_engine.count("cpu->device", self.shard_numel * self.dtype.itemsize)
             self.shard.detach().copy_(self.master.detach())
+            self.master_synced = self.dtensor._version if self.dtensor is not None else 0
         if self.param_tier == Tier.NVME:
             self.spill()
 
@@ -420,23 +443,35 @@ def make_persistent(zps: list[ShardedParam]) -> None:
         zp.local_slice().copy_(zp.shard.detach())
         zp.shard.data = zp.local_slice()
         if zp.dtensor is not None:
-            _repoint_dtensor(zp)
+            repoint_dtensor(zp)
     gather_full(zps)
     for zp in zps:
         if zp.dtensor is None:
             zp.param.data = zp.full_view()
 
 
-def _repoint_dtensor(zp: ShardedParam) -> None:
-    """Make the module's DTensor parameter read this rank's rows of the full buffer, in place (the module, the
+def repoint_dtensor(zp: ShardedParam) -> None:
+    """Make the module's DTensor parameter read this rank's rows of zcompile's storage (shard or full buffer), in place (the module, the
     optimizer and the user hold that object). A DTensor's own storage offset is its local tensor's at construction:
     assigning only `_local_tensor` would leave rank r's at 0 over a local tensor at r * shard, which dynamo fails to
     fake at the next recompile ("set the storage of a tensor on device cpu to a storage on ... meta"). `.data =` a
     DTensor built on the new rows sets both."""
     rows = zp.local_rows()
     with torch.no_grad():
-        zp.dtensor.data = zp.as_dtensor(rows, zp.dtensor.device_mesh)
+        zp.dtensor.data = zp.as_dtensor(rows, zp.mesh)
     zp.dtensor._local_tensor = rows
+    zp.wrapper_storage = zp.dtensor.untyped_storage()._cdata
+
+
+def check_not_reassigned(zp: ShardedParam) -> None:
+    """`p.data = t` on a DTensor parameter replaces only the wrapper's metadata and keeps its local tensor: the values
+    are lost (with FSDP2 too). Refuse to run on instead of computing with the old ones."""
+    if zp.dtensor is not None and zp.dtensor.untyped_storage()._cdata != zp.wrapper_storage:
+        raise ZeroError(
+            f"parameter {zp.name or list(zp.shape)} was assigned with `p.data = ...` after zcompile sharded it into a "
+            "DTensor: a DTensor keeps its local tensor, so the assigned values are lost (FSDP2's parameters lose them "
+            "the same way). Write values in place: `with torch.no_grad(): p.copy_(...)` with a DTensor of the same "
+            "placement, or `model.load_state_dict({name: whole tensor}, strict=False)`, which zcompile shards")
 
 
 def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -529,6 +564,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if zps:
         nonfinite.check(optimizer, zps)
     for zp in zps:
+        check_not_reassigned(zp)
         if zp.stage == Stage.OPTIMIZER and zp.dtensor is None:
             zp.enter_step()
         if zp.optim_tier in (Tier.CPU, Tier.NVME):
