@@ -415,3 +415,38 @@ def writes_with_offloaded_optimizer(rank: int, world: int, stage: int) -> dict:
         step()
         out[how] = max((_full(p) - before[n] * 0.5).abs().max().item() for n, p in model.named_parameters())
     return out
+
+
+def averaged_model(rank: int | None, world: int, stage: int | None) -> dict:
+    """An EMA as torch.optim.swa_utils.AveragedModel (a deep copy of the model) made after the first forward,
+    updated after each step, evaluated eagerly and compiled with zcompile too (it must compute with the EMA's
+    weights, not reuse the model's graph). rank None: the single-process reference."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    model = build_model("gpt")
+    config = {"config": {"stage": stage, "backend": "eager"}}
+    run = model if rank is None else torch.compile(model, backend="zero", options=config)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ranks = range(world) if rank is None else [rank]
+    ema = None
+    for step in range(3):
+        x = _batch(step, world)
+        (sum(loss_of(run, "gpt", rank_slice(x, r, world)) for r in ranks) / len(ranks)).backward()
+        opt.step()
+        opt.zero_grad()
+        if ema is None:
+            ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        else:
+            ema.update_parameters(model)
+
+    def mean_loss(net):
+        with torch.no_grad():
+            loss = sum(loss_of(net, "gpt", rank_slice(_batch(9, world), r, world)) for r in ranks)
+        if rank is not None:
+            dist.all_reduce(loss)
+        return loss.item() / world
+
+    out = {"ema": {n: _full(p) for n, p in ema.module.named_parameters()}, "eager": mean_loss(ema.module),
+           "model": mean_loss(run)}
+    out["compiled"] = mean_loss(ema.module if rank is None else torch.compile(ema.module, backend="zero",
+                                                                                options=config))
+    return out

@@ -555,9 +555,11 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     plain = [(ph, x) for ph, x in zip(phs, example_inputs)
              if isinstance(x, nn.Parameter) and not isinstance(x, dtensor_params.DTensor)]
-    if not plain:
+    unowned = [ph for ph, x in zip(phs, example_inputs)  # e.g. of a deep copy of a model zcompile sharded
+               if isinstance(x, dtensor_params.DTensor) and isinstance(x, nn.Parameter) and shard_store.owner(x) is None]
+    if not plain and not unowned:
         return
-    roots = {}
+    roots = {id(root): root for root in map(_root_module, unowned) if root is not None}
     for ph, x in plain:
         zp = shard_store.register_for(cfg, ctx, x)
         if zp.dtensor is not None or not dtensor_params.eligible(zp):

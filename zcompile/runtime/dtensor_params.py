@@ -18,6 +18,7 @@ Not DTensors (they stay plain, storage-free stand-ins as before): 0-d parameters
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 
@@ -34,6 +35,11 @@ _MESHES: dict = {}  # cache: (group name, device type) -> DeviceMesh over that g
 _CLASSES: dict = {}  # cache: (module class, parameter names) -> its subclass with parameter properties
 _forward = threading.local()  # depth of eager forwards of modules holding DTensor parameters
 _OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {parameter name: its ShardedParam}
+# A graph reads the storage of the parameters it was compiled for, not the DTensors dynamo passes it, so it must not
+# be reused for another module instance of the same class (a second model, a deep copy), which dynamo's guards on
+# types and tensor metadata allow: each module holding DTensor parameters carries its own number, which the
+# parameter property reads while compiling, so dynamo guards on it.
+_INSTANCES = itertools.count()
 
 
 def eligible(zp: shard_store.ShardedParam) -> bool:
@@ -98,10 +104,11 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     for path, module in root.named_modules():
         names = []
         for name, p in list(module._parameters.items()):
-            if p is None or isinstance(p, DTensor):
+            if p is None or (isinstance(p, DTensor) and not _copied(module, name)):
                 continue
             if id(p) not in done:
-                zp = register(p)
+                plain = _whole(p) if isinstance(p, DTensor) else p  # alive until make_dtensor keeps it (retire)
+                zp = register(plain)
                 if not eligible(zp):
                     continue
                 zp.name = zp.name or f"{path}.{name}".lstrip(".")
@@ -115,7 +122,20 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     return len(done)
 
 
+def _copied(module: nn.Module, name: str) -> bool:
+    """The parameter is a DTensor of a deep copy of a module zcompile sharded (an EMA model): not zcompile's yet."""
+    return name in getattr(type(module), "_zc_param_names", ()) and name not in _OWNED.get(module, {})
+
+
+def _whole(p: DTensor) -> nn.Parameter:
+    """A plain parameter holding a DTensor parameter's whole value (all-gathered: every rank calls this)."""
+    with torch.no_grad():
+        return nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+
+
 def _with_properties(module: nn.Module, names: list[str]) -> None:
+    if "_zc_instance" not in module.__dict__:
+        module._zc_instance = next(_INSTANCES)
     cls = type(module)
     have = getattr(cls, "_zc_param_names", frozenset())
     want = have | frozenset(names)
@@ -127,6 +147,7 @@ def _with_properties(module: nn.Module, names: list[str]) -> None:
         _CLASSES[key] = type(base.__name__, (base,), {**{n: property(_getter(n)) for n in want},
                                                       "_zc_param_names": want, "_zc_base": base,
                                                       "_apply": _apply, "_load_from_state_dict": _load_from_state_dict,
+                                                      "__deepcopy__": _deepcopy,
                                                       "__module__": base.__module__})
     module.__class__ = _CLASSES[key]
     if not have:
@@ -139,6 +160,8 @@ def _getter(name: str):
         p = self._parameters[name]
         if not isinstance(p, DTensor) or not (torch.compiler.is_compiling() or getattr(_forward, "depth", 0)):
             return p
+        if self._zc_instance < 0:  # never: reading it makes dynamo guard on it (see _INSTANCES)
+            raise AssertionError
         full = p.redistribute(p.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
         if not torch.compiler.is_compiling():  # eager: the reduce-scatter sums; average like the compiled graphs
             full = _MeanGrad.apply(full, p.device_mesh.size())
@@ -188,6 +211,24 @@ def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, miss
     self._zc_base._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                                         unexpected_keys, error_msgs)
     _reattach(self, "load_state_dict(assign=True)")
+
+
+def _deepcopy(self, memo):
+    """copy.deepcopy (an EMA model, AveragedModel): the copy's parameters are DTensors of their own, same placement,
+    not zcompile's. Copied here: torch's Tensor.__deepcopy__ takes a DTensor whose wrapper has a storage offset (rows
+    inside a stage 1/2 buffer) for a plain tensor and fails on its data-less storage."""
+    import copy
+    for name in _OWNED.get(self, {}):
+        p = self._parameters.get(name)
+        if p is not None and id(p) not in memo:
+            with torch.no_grad():
+                clone = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                if p.grad is not None:
+                    clone.grad = p.grad.detach().clone()
+            memo[id(p)] = clone
+    twin = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+    twin._zc_instance = next(_INSTANCES)
+    return twin
 
 
 def _reattach(module: nn.Module, what: str) -> None:
@@ -249,6 +290,12 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
     for k, (ph, x) in enumerate(zip(phs, example_inputs)):
         zp = shard_store.owner(x) if isinstance(x, DTensor) else None
         if zp is None:
+            if isinstance(x, DTensor) and getattr(x, "_is_param", False):
+                raise ZeroError(
+                    f"the compiled model has a DTensor parameter of shape {list(x.shape)} that zcompile did not shard "
+                    f"(placements {tuple(x.placements)}), e.g. one sharded by fully_shard: zcompile shards plain "
+                    "parameters itself (and deep copies of the models it sharded); load its state_dict() into a "
+                    "fresh model and compile that")
             continue
         with fake_mode:
             fake = torch.empty(zp.shape, dtype=zp.dtype, device=zp.standin_device, requires_grad=x.requires_grad)

@@ -121,6 +121,11 @@ class ShardedParam:
                 self.spill()
             self.attach_master()
 
+    def __deepcopy__(self, memo):
+        """copy.deepcopy of a DTensor parameter copies its attributes (the modules copy theirs themselves, see
+        dtensor_params._deepcopy): the copy is a DTensor of its own, not zcompile's (owner() of it is None)."""
+        return None
+
     def attach_master(self) -> None:
         """The host fp32 master an offloaded optimizer steps, once the tier is known (a compile's commit step
         makes it for 'auto' tiers the planner sent to the host)."""
