@@ -167,3 +167,16 @@ def test_an_averaged_model_copy_trains_evaluates_and_compiles_like_the_reference
         for key in ("eager", "compiled", "model"):
             assert out[key] == pytest.approx(ref[key], rel=1e-5), (key, out, ref)
         assert ref["compiled"] != pytest.approx(ref["model"], rel=1e-3)  # the EMA differs from the model
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_adapters_added_after_sharding_train_like_the_reference(stage):
+    """LoRA-style adapters wrapped around modules zcompile already sharded, the base frozen with
+    model.requires_grad_(False): the recompiled model shards the new parameters and trains only them, as in the
+    reference."""
+    ref = user_workers.adapters_after_sharding(None, 2, None)
+    assert all(".mlp.down." in n or ".mlp.up." in n for n in ref["trainable"]) and ref["trainable"]
+    for out in run_world(2, user_workers.adapters_after_sharding, stage):
+        assert out["trainable"] == ref["trainable"]
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(out["params"][name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -450,3 +450,47 @@ def averaged_model(rank: int | None, world: int, stage: int | None) -> dict:
     out["compiled"] = mean_loss(ema.module if rank is None else torch.compile(ema.module, backend="zero",
                                                                                 options=config))
     return out
+
+
+class _Adapter(torch.nn.Module):
+    """A low-rank adapter around an existing module (what PEFT/LoRA code adds to a loaded model)."""
+
+    def __init__(self, inner: torch.nn.Module, d: int, rank: int = 8):
+        super().__init__()
+        self.inner = inner
+        gen = torch.Generator().manual_seed(3)
+        self.down = torch.nn.Linear(d, rank, bias=False)
+        self.up = torch.nn.Linear(rank, d, bias=False)
+        with torch.no_grad():
+            self.down.weight.copy_(torch.randn(self.down.weight.shape, generator=gen) * 0.1)
+            self.up.weight.copy_(torch.randn(self.up.weight.shape, generator=gen) * 0.02)
+
+    def forward(self, x):
+        return self.inner(x) + self.up(self.down(x))
+
+
+def adapters_after_sharding(rank: int | None, world: int, stage: int | None) -> dict:
+    """A step of the whole model, then the base frozen with model.requires_grad_(False) and adapters wrapped around
+    each block's MLP (new plain parameters, around modules zcompile already sharded), trained three steps by a new
+    optimizer over the trainable parameters. rank None: the single-process reference."""
+    model = build_model("gpt")
+    run = model if rank is None else torch.compile(model, backend="zero",
+                                                   options={"config": {"stage": stage, "backend": "eager"}})
+    ranks = range(world) if rank is None else [rank]
+
+    def step(i, opt):
+        x = _batch(i, world)
+        loss = sum(loss_of(run, "gpt", rank_slice(x, r, world)) for r in ranks) / len(ranks)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.mlp = _Adapter(block.mlp, model.wte.weight.shape[1])
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for i in range(1, 4):
+        step(i, opt)
+    return {"params": {n: _full(p) for n, p in model.named_parameters()},
+            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
