@@ -556,7 +556,8 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
     plain = [(ph, x) for ph, x in zip(phs, example_inputs)
              if isinstance(x, nn.Parameter) and not isinstance(x, dtensor_params.DTensor)]
     unowned = [ph for ph, x in zip(phs, example_inputs)  # e.g. of a deep copy of a model zcompile sharded
-               if isinstance(x, dtensor_params.DTensor) and isinstance(x, nn.Parameter) and shard_store.owner(x) is None]
+               if isinstance(x, dtensor_params.DTensor) and isinstance(x, nn.Parameter)
+               and shard_store.owner(x) is None]
     if not plain and not unowned:
         return
     roots = {id(root): root for root in map(_root_module, unowned) if root is not None}

@@ -18,6 +18,7 @@ Not DTensors (they stay plain, storage-free stand-ins as before): 0-d parameters
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import weakref
@@ -217,7 +218,6 @@ def _deepcopy(self, memo):
     """copy.deepcopy (an EMA model, AveragedModel): the copy's parameters are DTensors of their own, same placement,
     not zcompile's. Copied here: torch's Tensor.__deepcopy__ takes a DTensor whose wrapper has a storage offset (rows
     inside a stage 1/2 buffer) for a plain tensor and fails on its data-less storage."""
-    import copy
     for name in _OWNED.get(self, {}):
         p = self._parameters.get(name)
         if p is not None and id(p) not in memo:
@@ -234,11 +234,11 @@ def _deepcopy(self, memo):
 def _reattach(module: nn.Module, what: str) -> None:
     for name, zp in _OWNED.get(module, {}).items():
         p = module._parameters.get(name)
-        if p is None or (p is zp.dtensor and getattr(p, "_zc", None) is zp
-                         and p._local_tensor.data_ptr() == zp.local_rows().data_ptr()):
+        in_storage = isinstance(p, DTensor) and p._local_tensor.data_ptr() == zp.local_rows().data_ptr()
+        if p is None or (p is zp.dtensor and getattr(p, "_zc", None) is zp and in_storage):
             continue
         problem = _mismatch(p, zp)
-        if problem is None and p._local_tensor.data_ptr() != zp.local_rows().data_ptr():
+        if problem is None and not in_storage:
             with torch.no_grad():
                 zp.load_rows(p._local_tensor)
         module._parameters[name] = zp.dtensor

@@ -75,7 +75,7 @@ class ShardedParam:
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
                      if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
-        self.master_synced = 0  # the DTensor's version when the master last matched the shard (writes by the user bump it)
+        self.master_synced = 0  # the DTensor's version when the master last matched the shard (user writes bump it)
         self.padded_numel = self.shard_numel * self.world
         self.lo = min(self.rank * self.shard_numel, self.numel)
         self.hi = min(self.lo + self.shard_numel, self.numel)
@@ -179,7 +179,7 @@ class ShardedParam:
         self.shard.detach().copy_(value)
         if self.master is not None:
             self.master.detach().copy_(value)
-            self.master_synced = self.dtensor._version if self.dtensor is not None else 0
+            self._master_matches_shard()
         if self.param_tier == Tier.NVME:
             self.spill()
 
@@ -351,11 +351,14 @@ class ShardedParam:
             self.master.grad = host if self.master.grad is None else self.master.grad.add_(host)
             holder.grad = None  # the device gradient is freed once it is on the host
 
+    def _master_matches_shard(self) -> None:
+        self.master_synced = self.dtensor._version if self.dtensor is not None else 0
+
     def after_offloaded_step(self) -> None:
         if self.master is not None:
             offload_engine.count("cpu->device", self.shard_numel * self.dtype.itemsize)
             self.shard.detach().copy_(self.master.detach())
-            self.master_synced = self.dtensor._version if self.dtensor is not None else 0
+            self._master_matches_shard()
         if self.param_tier == Tier.NVME:
             self.spill()
 
@@ -456,8 +459,8 @@ def make_persistent(zps: list[ShardedParam]) -> None:
 
 
 def repoint_dtensor(zp: ShardedParam) -> None:
-    """Make the module's DTensor parameter read this rank's rows of zcompile's storage (shard or full buffer), in place (the module, the
-    optimizer and the user hold that object). A DTensor's own storage offset is its local tensor's at construction:
+    """Make the module's DTensor parameter read this rank's rows of zcompile's storage (shard or full buffer), in
+    place (the module, the optimizer and the user hold that object). A DTensor's own storage offset is its local tensor's at construction:
     assigning only `_local_tensor` would leave rank r's at 0 over a local tensor at r * shard, which dynamo fails to
     fake at the next recompile ("set the storage of a tensor on device cpu to a storage on ... meta"). `.data =` a
     DTensor built on the new rows sets both."""
