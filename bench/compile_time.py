@@ -3,6 +3,7 @@
     python bench/compile_time.py --layers 2,8,16,32                          # CPU, gloo, world 2
     python bench/compile_time.py --layers 8 --systems zcompile_z3 --world 2  # one point
     python bench/compile_time.py --layers 32 --systems zcompile_z3 --profile --out /tmp/p  # + pstats of rank 0
+    python bench/compile_time.py --layers 8,32 --systems zcompile_z3_eager_graphs  # all but inductor, per phase
 
 For each system and depth (GPT, d=128, 4 heads, bench/compare.py's data: 4x128 tokens per rank) two launches in
 fresh processes: cold (an empty inductor cache directory) and warm (the same directory again, as a second launch of
@@ -40,6 +41,7 @@ SYSTEMS = {
     "zcompile_z3_regional": compare._zcompile(3, regional_compile=True),  # regions at any depth
     "zcompile_z3_whole_graph": compare._zcompile(3, regional_compile=False),  # one inductor graph per fw/bw
     "zcompile_z3_zeropp": compare.setup_zeropp,
+    "zcompile_z3_eager_graphs": compare._zcompile(3, backend="eager"),  # everything but inductor: tracing, passes
 }
 
 
@@ -59,6 +61,22 @@ def _dynamo_phases() -> dict:
             "backward compile (lazy)": total("backward._backward_impl")}
 
 
+def _time_first_trace() -> dict:
+    """Times dynamo's first trace of the step, which zcompile ends by a restart once it made the parameters
+    DTensors: seconds from the step's start to that restart, under 'first trace'."""
+    from zcompile.compiler import backend
+    record, shard = {}, backend._shard_modules_of
+
+    def timed(*a, **kw):
+        try:
+            return shard(*a, **kw)
+        except backend._ParametersSharded:
+            record.setdefault("first trace", time.perf_counter() - record["start"])
+            raise
+    backend._shard_modules_of = timed
+    return record
+
+
 def _cache_counters() -> dict:
     from torch._dynamo.utils import counters
     return {"fx graph cache hit": counters["inductor"]["fxgraph_cache_hit"],
@@ -73,11 +91,12 @@ def worker(rank: int, world: int, system: str, layers: int, args, run: str = "")
     model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=layers, n_head=4, n_embd=128))
     setup = _plain_compile if system == "torch_compile_1proc" else SYSTEMS[system]
     step = setup(model, world, device, args)
+    restart = _time_first_trace() if system.startswith("zcompile") else {}
     times = []
     for i in range(1 + args.steps):
         x = compare.batch(i, rank, world, args.micro, args.seq, device)
         profile = cProfile.Profile() if args.profile and rank == 0 and i == 0 else None
-        t0 = time.perf_counter()
+        t0 = restart["start"] = time.perf_counter()
         if profile is not None:
             profile.enable()
         loss, _ = step(x)
@@ -95,6 +114,8 @@ def worker(rank: int, world: int, system: str, layers: int, args, run: str = "")
         for job in jobs:
             for k, v in job.times.items():
                 phases[k] = phases.get(k, 0.0) + v
+        if "first trace" in restart:
+            phases["dynamo first trace (restarted)"] = restart["first trace"]
         out["zcompile_phases"] = phases
         out["regions"] = {f"{job.graph_id}:{kind}": r for job in jobs for kind, r in job.regions.items()}
     return out

@@ -328,7 +328,8 @@ def replaced_tensors(rank: int | None, world: int, stage: int | None) -> dict:
     model.float() (nn.Module._apply swaps each DTensor's contents), load_state_dict(assign=True) of the module's own
     state dict halved (other DTensor objects), load_state_dict of whole plain tensors (as from torch.load), also with
     assign=True; then a step of the optimizer built before the first forward. rank None: the single-process reference
-    (plain tensors, no assign: the values are the same). Also what model.double() does then, and `p.data = t`."""
+    (plain tensors, no assign: the values are the same). Also what model.double() does then, and `p.data = t` (also
+    before a recompile)."""
     from zcompile.errors import ZeroError
     model = build_model("gpt")
     run = model if rank is None else torch.compile(model, backend="zero",
@@ -379,6 +380,11 @@ def replaced_tensors(rank: int | None, world: int, stage: int | None) -> dict:
             eval_loss()
         except ZeroError as e:
             out["data ="] = str(e)
+        try:  # a new length: dynamo traces again first (it failed inside dynamo on ranks >= 1 at stages 1/2)
+            with torch.no_grad():
+                loss_of(run, "gpt", rank_slice(_batch(9, world), rank, world)[:, :-3])
+        except ZeroError as e:
+            out["data = then recompile"] = str(e)
     return out
 
 
@@ -494,3 +500,38 @@ def adapters_after_sharding(rank: int | None, world: int, stage: int | None) -> 
         step(i, opt)
     return {"params": {n: _full(p) for n, p in model.named_parameters()},
             "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+
+
+def torch_save_resume(rank: int, world: int, config: dict, directory: str) -> dict:
+    """FSDP2's sharded checkpoint in plain torch: every rank torch.saves model.state_dict() and
+    optimizer.state_dict() (DTensors: its own rows) after 2 steps, trains 2 more; a fresh model of other weights,
+    sharded with zcompile.shard_parameters, loads both files and trains the same 2 steps."""
+    def steps(run, opt, start):
+        losses = []
+        for step in range(start, start + 2):
+            loss = loss_of(run, "gpt", rank_slice(_batch(step, world), rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    import zcompile
+    config = {"backend": "eager", **config}
+    model = build_model("gpt")
+    run = torch.compile(model, backend="zero", options={"config": config})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps(run, opt, 0)
+    path = f"{directory}/rank{rank}.pt"
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    continued = steps(run, opt, 2)
+    torch._dynamo.reset()
+    fresh = zcompile.shard_parameters(build_model("gpt", seed=123), config)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    saved = torch.load(path, weights_only=False)
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["optim"])
+    resumed = steps(torch.compile(fresh, backend="zero", options={"config": config}), fresh_opt, 2)
+    return {"continued": continued, "resumed": resumed,
+            "offsets": sorted({v.to_local().storage_offset() for v in saved["model"].values()
+                               if hasattr(v, "to_local")})}

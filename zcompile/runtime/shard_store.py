@@ -82,6 +82,7 @@ class ShardedParam:
         data = param.detach()
         self.full: torch.Tensor | None = None
         self.shard: nn.Parameter | None = None
+        self._slice: torch.Tensor | None = None  # this rank's slice of `full` at storage offset 0 (own_slice)
         if stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and not param.is_contiguous():
             raise ValueError(f"stage {stage} needs contiguous parameters; got one of shape {self.shape} with strides "
                              f"{tuple(param.stride())}")
@@ -267,8 +268,9 @@ class ShardedParam:
                                   stride=make_contiguous_strides_for(self.shape))
 
     def local_rows(self) -> torch.Tensor:
-        """This rank's rows of the parameter, a view of the storage the graphs read."""
-        return self.as_rows((self.shard if self.stage >= Stage.GRADIENTS else self.local_slice()).detach())
+        """This rank's rows of the parameter, a view of the memory the graphs read (the shard, or this rank's slice
+        of the full buffer)."""
+        return self.as_rows(self.local_slice() if self.full is not None else self.shard.detach())
 
     def grad_dtensor(self, g: torch.Tensor) -> torch.Tensor:
         """The DTensor gradient of the parameter from a graph's gradient of graph_tensor()."""
@@ -280,7 +282,8 @@ class ShardedParam:
         """Write counters of this rank's part: the full buffer's, and the DTensor's (an in-place op on a DTensor bumps
         the wrapper's counter, not its local tensor's)."""
         return (None if self.full is None else self.full._version,
-                None if self.dtensor is None else self.dtensor._version)
+                None if self.dtensor is None else self.dtensor._version,
+                None if self._slice is None else self._slice._version)
 
     def stale(self) -> bool:
         """The whole-parameter copy misses writes to the shards since its last gather: an optimizer step or a load
@@ -290,8 +293,21 @@ class ShardedParam:
                 and (self.written or self.versions() != self.seen_version))
 
     def local_slice(self) -> torch.Tensor:
-        """This rank's padded slice of the full buffer (stages 1/2)."""
+        """This rank's padded slice of the full buffer (stages 1/2, persistent stage 3): a view, or its alias at
+        storage offset 0 once own_slice ran."""
+        if self._slice is not None:
+            return self._slice
         return self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+
+    def own_slice(self) -> None:
+        """For a DTensor's local tensor: this rank's slice of the full buffer as a tensor of its own storage at
+        offset 0, the same memory (a DLPack alias: writes through either are seen by the other, no copy). DTensor
+        takes its local tensor's storage offset as its own, which must not depend on the rank (pytorch#167597):
+        rows at rank * shard inside the full buffer made torch.save of the DTensor fail ("invalid python storage")
+        and a recompile fail inside dynamo on ranks >= 1. The full buffer is never resized or replaced, so the alias
+        stays valid (it also keeps the memory alive)."""
+        if self.full is not None and self._slice is None:
+            self._slice = torch.from_dlpack(self.local_slice().detach())
 
     # -- stage 1: the optimizer sees only this rank's slice while it steps
     def enter_step(self) -> None:
@@ -451,6 +467,7 @@ def make_persistent(zps: list[ShardedParam]) -> None:
         zp.local_slice().copy_(zp.shard.detach())
         zp.shard.data = zp.local_slice()
         if zp.dtensor is not None:
+            zp.own_slice()
             repoint_dtensor(zp)
     gather_full(zps)
     for zp in zps:
