@@ -42,7 +42,17 @@ SYSTEMS = {
     "zcompile_z3_whole_graph": compare._zcompile(3, regional_compile=False),  # one inductor graph per fw/bw
     "zcompile_z3_zeropp": compare.setup_zeropp,
     "zcompile_z3_eager_graphs": compare._zcompile(3, backend="eager"),  # everything but inductor: tracing, passes
+    "zcompile_z3_eager_graphs_presharded": None,  # the same after zcompile.shard_parameters: dynamo traces once
 }
+
+
+def _presharded(model, world, device, args):
+    import zcompile
+    zcompile.shard_parameters(model, {"stage": 3, "backend": "eager"})
+    return compare._zcompile(3, backend="eager")(model, world, device, args)
+
+
+SYSTEMS["zcompile_z3_eager_graphs_presharded"] = _presharded
 
 
 def _plain_compile(model, world, device, args):
@@ -144,7 +154,7 @@ def markdown(rows: list[dict], header: str) -> str:
             out.append(f"| {r['system']} | {r['layers']} | failed: {(cold.get('error') or warm.get('error'))[:120]} |")
             continue
         p, z = cold["phases"], cold.get("zcompile_phases", {})
-        ours = sum(v for k, v in z.items() if not k.startswith(("inductor", "eager")))
+        ours = sum(v for k, v in z.items() if not k.startswith(("inductor", "eager", "dynamo")))
         c = warm["cache"]
         regions = ", ".join(f"{a}/{b}" for a, b in cold.get("regions", {}).values()) or "-"
         out.append(f"| {r['system']} | {r['layers']} | {warm['step_s'] * 1e3:.0f} | {cold['compile_s']:.1f} | "
