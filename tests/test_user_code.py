@@ -194,3 +194,13 @@ def test_torch_save_of_each_ranks_state_dicts_resumes_exactly(config, tmp_path):
     for out in run_world(2, user_workers.torch_save_resume, config, str(tmp_path)):
         assert out["resumed"] == out["continued"], out
         assert out["offsets"] == [0], out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_in_place_writes_between_forwards_reach_the_next_forward(stage):
+    """`p.mul_()` and `p.to_local().mul_()` after a forward with no step since: the whole copies of stages 1/2 are
+    refreshed before the next compiled forward (the local tensor's own version counter was not watched: every rank
+    computed with its own rows new and the others' old)."""
+    for out in run_world(2, user_workers.writes_between_forwards, stage):
+        for how, (got, want) in out.items():
+            assert got == pytest.approx(want, rel=1e-6), (how, got, want)

@@ -535,3 +535,27 @@ def torch_save_resume(rank: int, world: int, config: dict, directory: str) -> di
     return {"continued": continued, "resumed": resumed,
             "offsets": sorted({v.to_local().storage_offset() for v in saved["model"].values()
                                if hasattr(v, "to_local")})}
+
+
+def writes_between_forwards(rank: int, world: int, stage: int) -> dict:
+    """After a step and an eval forward (no step since), halve a parameter in place through the DTensor
+    (`p.mul_`) and through its local tensor (`p.to_local().mul_`, a tensor with a version counter of its own), as
+    EMA swaps and pruning masks do: the next compiled forward must compute with the new values on every rank
+    (stages 1/2 keep whole copies). Returns (compiled loss, loss of an eager copy of the full parameters) each."""
+    model = build_model("gpt")
+    run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = rank_slice(_batch(0, world), rank, world)
+    loss_of(run, "gpt", x).backward()
+    opt.step()
+    opt.zero_grad()
+    out = {}
+    for how, write in (("p", lambda p: p.mul_(0.5)), ("to_local", lambda p: p.to_local().mul_(0.5))):
+        with torch.no_grad():
+            loss_of(run, "gpt", x)
+            write(model.blocks[0].mlp[0].weight)
+            got = loss_of(run, "gpt", x).item()
+            ref = build_model("gpt")
+            ref.load_state_dict({k: _full(v) for k, v in model.state_dict().items()})
+            out[how] = (got, loss_of(ref, "gpt", x).item())
+    return out

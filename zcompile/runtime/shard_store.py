@@ -279,11 +279,12 @@ class ShardedParam:
         return self.as_dtensor(rows, self.dtensor.device_mesh)
 
     def versions(self) -> tuple:
-        """Write counters of this rank's part: the full buffer's, and the DTensor's (an in-place op on a DTensor bumps
-        the wrapper's counter, not its local tensor's)."""
+        """Write counters of this rank's part: the full buffer's, the DTensor's (an in-place op on a DTensor bumps
+        the wrapper's counter) and its local tensor's (`p.to_local().mul_()`: that tensor has a counter of its own,
+        not the buffer's). Writes through `p.data` bump none of them (docs/limitations.md)."""
         return (None if self.full is None else self.full._version,
                 None if self.dtensor is None else self.dtensor._version,
-                None if self._slice is None else self._slice._version)
+                None if self.dtensor is None else self.dtensor._local_tensor._version)
 
     def stale(self) -> bool:
         """The whole-parameter copy misses writes to the shards since its last gather: an optimizer step or a load
