@@ -33,6 +33,13 @@ import compare  # noqa: E402
 from zcompile.tools.launch import WorkerFailed, run_world  # noqa: E402
 from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 
+def _presharded(model, world, device, args):
+    """zcompile_z3_eager_graphs after zcompile.shard_parameters: dynamo traces the DTensor parameters only once."""
+    import zcompile
+    zcompile.shard_parameters(model, {"stage": 3, "backend": "eager"})
+    return compare._zcompile(3, backend="eager")(model, world, device, args)
+
+
 SYSTEMS = {
     "torch_compile_1proc": None,  # plain torch.compile, one process, no sharding: the floor
     "fsdp2_compile": compare.setup_fsdp2_compile,  # fully_shard per block + torch.compile(model)
@@ -42,17 +49,8 @@ SYSTEMS = {
     "zcompile_z3_whole_graph": compare._zcompile(3, regional_compile=False),  # one inductor graph per fw/bw
     "zcompile_z3_zeropp": compare.setup_zeropp,
     "zcompile_z3_eager_graphs": compare._zcompile(3, backend="eager"),  # everything but inductor: tracing, passes
-    "zcompile_z3_eager_graphs_presharded": None,  # the same after zcompile.shard_parameters: dynamo traces once
+    "zcompile_z3_eager_graphs_presharded": _presharded,
 }
-
-
-def _presharded(model, world, device, args):
-    import zcompile
-    zcompile.shard_parameters(model, {"stage": 3, "backend": "eager"})
-    return compare._zcompile(3, backend="eager")(model, world, device, args)
-
-
-SYSTEMS["zcompile_z3_eager_graphs_presharded"] = _presharded
 
 
 def _plain_compile(model, world, device, args):

@@ -237,17 +237,24 @@ def dropped_model(rank: int, world: int, stage: int) -> dict:
     return alive
 
 
+def _after_a_step(rank: int, world: int, stage: int, lr: float) -> tuple:
+    """The GPT compiled at `stage` (eager graphs) after one AdamW step on this rank's slice of batch 0: (model,
+    compiled model, that slice)."""
+    model = build_model("gpt")
+    run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    x = rank_slice(_batch(0, world), rank, world)
+    loss_of(run, "gpt", x).backward()
+    opt.step()
+    return model, run, x
+
+
 def load_full_state_dict(rank: int, world: int, stage: int) -> dict:
     """After a training step, load a full (unsharded) state dict of other weights as FSDP2 users load a pretrained
     checkpoint: rank 0 alone holds it, torch.distributed.checkpoint's set_model_state_dict broadcasts and shards it.
     The next compiled forward must see the new weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-    model = build_model("gpt")
-    run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = rank_slice(_batch(0, world), rank, world)
-    loss_of(run, "gpt", x).backward()
-    opt.step()
+    model, run, x = _after_a_step(rank, world, stage, lr=1e-2)
     pretrained = build_model("gpt", seed=5).state_dict()
     set_model_state_dict(model, dict(pretrained) if rank == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -542,13 +549,7 @@ def writes_between_forwards(rank: int, world: int, stage: int) -> dict:
     (`p.mul_`) and through its local tensor (`p.to_local().mul_`, a tensor with a version counter of its own), as
     EMA swaps and pruning masks do: the next compiled forward must compute with the new values on every rank
     (stages 1/2 keep whole copies). Returns (compiled loss, loss of an eager copy of the full parameters) each."""
-    model = build_model("gpt")
-    run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = rank_slice(_batch(0, world), rank, world)
-    loss_of(run, "gpt", x).backward()
-    opt.step()
-    opt.zero_grad()
+    model, run, x = _after_a_step(rank, world, stage, lr=1e-3)
     out = {}
     for how, write in (("p", lambda p: p.mul_(0.5)), ("to_local", lambda p: p.to_local().mul_(0.5))):
         with torch.no_grad():

@@ -59,7 +59,6 @@ def mesh_for(zp: shard_store.ShardedParam, ctx: dist_context.DistContext, timeou
 
 def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout_s: float) -> nn.Parameter:
     """The DTensor parameter whose local tensor is this rank's rows of zp's storage."""
-    zp.own_slice()
     zp.mesh = mesh_for(zp, ctx, timeout_s)
     param = nn.Parameter(zp.as_dtensor(zp.local_rows(), zp.mesh), requires_grad=requires_grad)
     param._zc = zp

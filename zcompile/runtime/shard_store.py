@@ -82,7 +82,7 @@ class ShardedParam:
         data = param.detach()
         self.full: torch.Tensor | None = None
         self.shard: nn.Parameter | None = None
-        self._slice: torch.Tensor | None = None  # this rank's slice of `full` at storage offset 0 (own_slice)
+        self._slice: torch.Tensor | None = None  # this rank's slice of `full` at storage offset 0 (local_rows)
         if stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and not param.is_contiguous():
             raise ValueError(f"stage {stage} needs contiguous parameters; got one of shape {self.shape} with strides "
                              f"{tuple(param.stride())}")
@@ -268,9 +268,17 @@ class ShardedParam:
                                   stride=make_contiguous_strides_for(self.shape))
 
     def local_rows(self) -> torch.Tensor:
-        """This rank's rows of the parameter, a view of the memory the graphs read (the shard, or this rank's slice
-        of the full buffer)."""
-        return self.as_rows(self.local_slice() if self.full is not None else self.shard.detach())
+        """This rank's rows of the parameter, for its DTensor's local tensor: a view of the shard, or of this rank's
+        slice of the full buffer seen through a DLPack alias (same memory, no copy) of its own storage at offset 0.
+        DTensor takes its local tensor's storage offset as its own, which must not depend on the rank
+        (pytorch#167597): rows at rank * shard inside the full buffer made torch.save of the DTensor fail ("invalid
+        python storage") and a recompile fail inside dynamo on ranks >= 1. The full buffer is never resized or
+        replaced, so the alias stays valid (it also keeps the memory alive)."""
+        if self.full is None:
+            return self.as_rows(self.shard.detach())
+        if self._slice is None:
+            self._slice = torch.from_dlpack(self.local_slice().detach())
+        return self.as_rows(self._slice)
 
     def grad_dtensor(self, g: torch.Tensor) -> torch.Tensor:
         """The DTensor gradient of the parameter from a graph's gradient of graph_tensor()."""
@@ -294,21 +302,8 @@ class ShardedParam:
                 and (self.written or self.versions() != self.seen_version))
 
     def local_slice(self) -> torch.Tensor:
-        """This rank's padded slice of the full buffer (stages 1/2, persistent stage 3): a view, or its alias at
-        storage offset 0 once own_slice ran."""
-        if self._slice is not None:
-            return self._slice
+        """This rank's padded slice of the full buffer (stages 1/2)."""
         return self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
-
-    def own_slice(self) -> None:
-        """For a DTensor's local tensor: this rank's slice of the full buffer as a tensor of its own storage at
-        offset 0, the same memory (a DLPack alias: writes through either are seen by the other, no copy). DTensor
-        takes its local tensor's storage offset as its own, which must not depend on the rank (pytorch#167597):
-        rows at rank * shard inside the full buffer made torch.save of the DTensor fail ("invalid python storage")
-        and a recompile fail inside dynamo on ranks >= 1. The full buffer is never resized or replaced, so the alias
-        stays valid (it also keeps the memory alive)."""
-        if self.full is not None and self._slice is None:
-            self._slice = torch.from_dlpack(self.local_slice().detach())
 
     # -- stage 1: the optimizer sees only this rank's slice while it steps
     def enter_step(self) -> None:
@@ -468,7 +463,6 @@ def make_persistent(zps: list[ShardedParam]) -> None:
         zp.local_slice().copy_(zp.shard.detach())
         zp.shard.data = zp.local_slice()
         if zp.dtensor is not None:
-            zp.own_slice()
             repoint_dtensor(zp)
     gather_full(zps)
     for zp in zps:
