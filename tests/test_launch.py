@@ -1,0 +1,35 @@
+"""The local launcher (zcompile/tools/launch.py): workers fork from a server that imported torch once, yet each
+world sees the caller's environment and working directory as they are when it starts, as spawned processes would."""
+import os
+
+from tests.harness import WorkerFailed, run_world
+
+
+def _where(rank, world):
+    return os.environ.get("ZC_LAUNCH_PROBE"), os.environ.get("ZC_LAUNCH_GONE"), os.getcwd(), os.environ["RANK"]
+
+
+def _fail_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 fails")
+    return rank
+
+
+def test_workers_see_the_callers_environment_and_directory_now(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZC_LAUNCH_GONE", "set before the first world")
+    first = run_world(2, _where)  # starts the fork server with this environment
+    assert [r[1] for r in first] == ["set before the first world"] * 2
+    monkeypatch.delenv("ZC_LAUNCH_GONE")
+    monkeypatch.setenv("ZC_LAUNCH_PROBE", "set later")
+    monkeypatch.chdir(tmp_path)
+    later = run_world(2, _where, env={"ZC_LAUNCH_PROBE": "given to run_world"})
+    assert later == [("given to run_world", None, str(tmp_path), str(r)) for r in range(2)]
+
+
+def test_a_failing_rank_is_reported_with_its_traceback():
+    try:
+        run_world(2, _fail_on_rank_1)
+    except WorkerFailed as e:
+        assert list(e.errors) == [1] and "ValueError: rank 1 fails" in e.errors[1]
+    else:
+        raise AssertionError("run_world returned although rank 1 failed")
