@@ -148,7 +148,7 @@ def _with_properties(module: nn.Module, names: list[str]) -> None:
         _CLASSES[key] = type(base.__name__, (base,), {**{n: property(_getter(n)) for n in want},
                                                       "_zc_param_names": want, "_zc_base": base,
                                                       "_apply": _apply, "_load_from_state_dict": _load_from_state_dict,
-                                                      "__deepcopy__": _deepcopy,
+                                                      "__deepcopy__": _deepcopy, "__reduce_ex__": _no_pickle,
                                                       "__module__": base.__module__})
     module.__class__ = _CLASSES[key]
     if not have:
@@ -226,9 +226,21 @@ def _deepcopy(self, memo):
                 if p.grad is not None:
                     clone.grad = p.grad.detach().clone()
             memo[id(p)] = clone
-    twin = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+    twin = copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))
     twin._zc_instance = next(_INSTANCES)
     return twin
+
+
+def _no_pickle(self, protocol):
+    """torch.save(model), pickle, copy.copy: the module's classes are zcompile's and its parameters are shards of
+    this process group, so a pickle could not be loaded elsewhere (FSDP2's modules cannot be pickled either). Said
+    here instead of pickle's "it's not the same object as torch.nn...Linear"."""
+    raise ZeroError(
+        f"cannot pickle {self._zc_base.__name__} (torch.save(model), pickle or copy.copy of a module): zcompile "
+        f"sharded its parameters {sorted(self._zc_param_names)} into DTensors of this process group. Save "
+        "model.state_dict() instead (each rank its DTensor shards, as with FSDP2; load it into the same sharded "
+        "model), zcompile.full_state_dict(model) for whole tensors, zcompile.save_checkpoint or "
+        "torch.distributed.checkpoint; copy.deepcopy(model) works")
 
 
 def _reattach(module: nn.Module, what: str) -> None:
