@@ -146,12 +146,12 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     torch._dynamo.reset()
     jobs: list = []
     backend = zbackend.dry_backend(cfg, DistContext.without_group(world), jobs)
-    # AOTAutograd traces the backward through autograd on meta tensors; nll_loss's fallback warns there, harmlessly.
     with torch.device("meta"):
         net = GPT(gcfg)
         idx = torch.zeros(micro, seq, dtype=torch.long)
     # Compiled outside the device context: under it dynamo traces the context's __torch_function__ for every op
-    # (GPT-3 175B: 53.8 -> 45.5 s, dynamo 15.6 -> 6.7 s).
+    # (GPT-3 175B: 53.8 -> 45.5 s, dynamo 15.6 -> 6.7 s). AOTAutograd traces the backward through autograd on meta
+    # tensors; nll_loss's fallback warns there, harmlessly.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
         torch.compile(net, backend=backend, fullgraph=True)(idx, idx)  # compiles; the dry run returns meta tensors
