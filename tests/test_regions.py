@@ -170,9 +170,10 @@ def test_no_cut_separates_a_tuple_from_its_items():
 
 def test_constants_are_recomputed_in_each_region_that_reads_them_unless_written():
     """A causal-mask-like constant made in block 0 and read by block 1 is recomputed in block 1's region (so block 0
-    does not hand it on and both regions print the same code); one that an op writes into stays a handed-on value."""
+    does not hand it on and both regions print the same code), also when the graph returns it (a saved
+    activation: it was handed on to every later region); one that an op writes into stays a handed-on value."""
     aten = torch.ops.aten
-    for written in (False, True):
+    for written, saved in ((False, False), (True, False), (False, True)):
         g = fx.Graph()
         x = g.placeholder("x")
         x.meta["val"] = torch.randn(4, 4)
@@ -188,19 +189,24 @@ def test_constants_are_recomputed_in_each_region_that_reads_them_unless_written(
             m.meta["val"] = x.meta["val"]
             outs.append(m)
             prev = m
-        g.output((outs[-1],))
+        g.output((outs[-1], mask) if saved else (outs[-1],))
         gm = fx.GraphModule(torch.nn.Module(), g)
         compiled = []
         program = regions.compile_regions(gm, [x.meta["val"]],
                                           lambda sub, fakes: compiled.append(sub) or make_boxed_func(sub.forward))
         assert program.regions == 2
-        second_inputs = [n for n in compiled[-1].graph.nodes if n.op == "placeholder"] if written else None
+        second_inputs = [n for n in compiled[-1].graph.nodes if n.op == "placeholder"]
         if written:
             assert len(compiled) == 2 and len(second_inputs) == 2, compiled[-1].code  # the mask is handed on
+        elif saved:  # the first region also returns the mask: two codes, but the second makes its own
+            assert len(compiled) == 2 and len(second_inputs) == 1, compiled[-1].code
         else:
             assert len(compiled) == 1 and program.compiled == 1  # one code for both blocks: the mask made in each
         ref = x.meta["val"] * (2.0 if written else 1.0) ** 2
-        assert torch.equal(program([x.meta["val"]])[0], ref)
+        out = program([x.meta["val"]])
+        assert torch.equal(out[0], ref)
+        if saved:
+            assert torch.equal(out[1], torch.ones(4, 4))
 
 
 def _gather_in_flight_graph(wait_block: str, group: str = "0") -> fx.GraphModule:

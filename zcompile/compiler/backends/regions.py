@@ -56,12 +56,14 @@ def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
 def constants(graph: fx.Graph) -> set[fx.Node]:
     """Pure nodes computed from no graph input (a causal mask, an arange, a -inf scalar): each region computes the
     ones it reads itself rather than taking them from the region that first needed them, so that region's code
-    stays the same as the next block's (and inductor can fuse them into their readers)."""
+    stays the same as the next block's (and inductor can fuse them into their readers). Also when the graph
+    returns one (the forward saves the positions' arange for the embedding's backward): the output node counts as
+    impure, but it does not write into it."""
     const: set[fx.Node] = set()
     for n in graph.nodes:
         if (n.op == "call_function" and not n.is_impure() and KEY not in n.meta
                 and all(a in const or a.op == "get_attr" for a in n.all_input_nodes)
-                and not any(u.is_impure() for u in n.users)):  # no op writes into it (a copy would miss that)
+                and not any(u.op != "output" and u.is_impure() for u in n.users)):  # no op writes into it
             const.add(n)
     return const
 
