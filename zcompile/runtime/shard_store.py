@@ -302,7 +302,7 @@ class ShardedParam:
                 and (self.written or self.versions() != self.seen_version))
 
     def local_slice(self) -> torch.Tensor:
-        """This rank's padded slice of the full buffer (stages 1/2)."""
+        """This rank's padded slice of the full buffer (stages 1/2, persistent stage 3): a view of it."""
         return self.full[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
 
     # -- stage 1: the optimizer sees only this rank's slice while it steps

@@ -21,12 +21,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, env: dict, cwd: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, env: dict, caller_env: dict,
+            cwd: str) -> None:
     os.environ.clear()  # the caller's environment and directory now, not the fork server's at its start
-    os.environ.update(env)
+    os.environ.update(caller_env)
     os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", **env)
     torch.set_num_threads(1)
     faulthandler.enable()  # a crash inside a C++ library (gloo, a kernel) still shows the Python stack
     import torch.distributed as dist
@@ -75,9 +76,8 @@ def run_world(world: int, fn, *args, timeout: float = 600, env: dict | None = No
     ctx = _start_context()
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        env = {**os.environ, **(env or {})}
-        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, env, os.getcwd()))
-                 for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, env or {},
+                                                   dict(os.environ), os.getcwd())) for r in range(world)]
         for p in procs:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
