@@ -323,3 +323,59 @@ def test_regional_inductor_stage3_matches_the_reference():
     config = {"stage": 3, "backend": "inductor", "regional_compile": True}
     for rank, res in enumerate(run_world(2, workers.parity_with_config, "gpt", config)):
         assert max_diff(res["params"], ref_params) < TOL
+
+
+def _isa_probe_calls(rank: int, world: int) -> dict:
+    """A stage-3 inductor compile in a fresh process, recording which thread ran inductor's CPU ISA probe first
+    and when the first inductor compile began."""
+    import threading
+    import time
+
+    from torch._inductor import cpu_vec_isa
+
+    from zcompile.compiler.backends import inductor as zinductor
+
+    calls, probe, compile_inductor = [], cpu_vec_isa.valid_vec_isa_list, zinductor.compile_inductor
+    assert probe.cache_info().currsize == 0, "this process has probed already: the test needs a fresh one"
+
+    def recorded_probe():
+        if not calls or calls[-1][0] != threading.current_thread().name:
+            calls.append((threading.current_thread().name, time.perf_counter()))
+        return probe()
+
+    def recorded_compile(*args):
+        calls.append(("compile_inductor", time.perf_counter()))
+        return compile_inductor(*args)
+    cpu_vec_isa.valid_vec_isa_list, zinductor.compile_inductor = recorded_probe, recorded_compile
+    net = Net(2)
+    run = torch.compile(net, backend="zero", options={"config": {"stage": 3, "backend": "inductor",
+                                                                 "regional_compile": False}})
+    run(torch.randn(4, 16)).backward()
+    return {"calls": [name for name, _ in calls], "probed": probe.cache_info().currsize}
+
+
+def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile():
+    """zcompile/compiler/backends/warmup.py: the zero backend starts inductor's one-time ISA probe (g++ builds and
+    child processes, seconds) when first entered, beside dynamo's trace and the passes; the first inductor compile
+    waits for it instead of probing itself."""
+    from tests.harness import run_world
+    (res,) = run_world(1, _isa_probe_calls)
+    calls = res["calls"]
+    assert res["probed"] == 1 and calls[0] == "zcompile-inductor-warmup", calls
+    first_compile = calls.index("compile_inductor")
+    assert set(calls[1:first_compile]) <= {"zcompile-inductor-warmup"}, calls
+
+
+def test_the_warmup_starts_once_and_only_for_cpu_compiles(monkeypatch):
+    from zcompile.compiler.backends import warmup
+    ran = []
+    monkeypatch.setattr(warmup, "_started", None)
+    monkeypatch.setattr(warmup, "_probe", lambda: ran.append(1))
+    warmup.start(torch.device("meta"))
+    assert warmup._started is None
+    warmup.start(torch.device("cpu"))
+    first = warmup._started
+    warmup.start(torch.device("cpu"))
+    assert warmup._started is first
+    warmup.wait()
+    assert ran == [1] and not first.is_alive()

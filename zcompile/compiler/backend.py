@@ -40,6 +40,7 @@ from zcompile.runtime.dist_context import DistContext, set_group_timeout
 from zcompile.compiler.dump import GraphDumper
 from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
 from zcompile.compiler.pass_context import PassContext
+from zcompile.compiler.backends import warmup
 from zcompile.compiler.passes import placement
 from zcompile.compiler.topology import Topology
 from zcompile.config import Stage, Tier
@@ -448,6 +449,8 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
         raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
     cfg = frozen_config(options)
     ctx = DistContext.current()
+    if cfg.backend == "inductor":
+        warmup.start(ctx.device)  # inductor's one-time ISA probe, beside the tracing and passes that come first
     set_group_timeout(ctx, cfg.collective_timeout_s)
     _refuse_nested_regions(gm)  # before sharding: with DTensor parameters torch 2.11's dynamo fails on them itself
     if cfg.stage >= Stage.OPTIMIZER:

@@ -6,6 +6,7 @@ import torch.fx as fx
 from torch._inductor import inductor_prims
 
 from zcompile.compiler import collectives
+from zcompile.compiler.backends import warmup
 from zcompile.compiler.liveness import input_held_until_wait
 
 
@@ -19,6 +20,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, kind: str):
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
+    warmup.wait()
     # The order is the passes' (prefetch, release, the planner's budget): inductor's peak-memory reordering would
     # move a prefetched gather's wait up to the first moment its buffers can be reused, ending the overlap.
     with config.patch(reorder_for_peak_memory=False):
