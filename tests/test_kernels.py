@@ -64,3 +64,35 @@ def test_triton_kernels_match_reference_bit_exactly_in_interpreter():
 
 def _version(text: str) -> tuple:
     return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
+
+
+def test_int4_rows_quantize_each_member_in_its_own_blocks_and_sum_over_rows():
+    """qgZ's exchange ops: row j of quantize_int4_rows is rank j's payload alone, each member of the bucket is
+    quantized on its own scale (a tiny member next to a large one keeps its precision), and dequantize_sum_int4_rows
+    sums the rows per member, bit for bit as the per-member ops do."""
+    g = torch.Generator().manual_seed(3)
+    members, block, rows, width = [300, 7, 64], 64, 3, 2
+    x = torch.randn(rows, width, sum(members), generator=g) * 4
+    x[:, :, 300:307] *= 1e-4  # a small-magnitude member between two large ones
+    payload = ops.quantize_int4_rows(x.permute(1, 0, 2).contiguous().permute(1, 0, 2), members, block)  # strided in
+    assert payload.dtype == torch.uint8 and payload.shape == (rows, qz.int4_row_bytes(members, block, width))
+    for j in range(rows):
+        assert torch.equal(payload[j:j + 1], ops.quantize_int4_rows(x[j:j + 1], members, block))
+    total = ops.dequantize_sum_int4_rows(payload, members, block, width)
+    assert total.shape == (width, sum(members)) and total.dtype == torch.float32
+    offset = 0
+    for m in members:
+        size, nb, padded = qz.fit_blocks(m, block, even=True)
+        want = torch.zeros(width, padded)
+        for j in range(rows):
+            seg = torch.nn.functional.pad(x[j, :, offset:offset + m], (0, padded - m)).reshape(-1)
+            q, s = ops.quantize_int4(seg, size)
+            want += ops.dequantize_int4(q, s, size, width * padded, torch.float32).view(width, padded)
+        assert torch.equal(total[:, offset:offset + m], want[:, :m]), m
+        exact = x[:, :, offset:offset + m].sum(0)
+        assert (total[:, offset:offset + m] - exact).abs().max() <= 0.3 * x[:, :, offset:offset + m].abs().max(), m
+        offset += m
+    with pytest.raises(ValueError, match="expected"):
+        ops.quantize_int4_rows(x[:, :, :10], members, block)
+    with pytest.raises(ValueError, match="expected"):
+        ops.dequantize_sum_int4_rows(payload[:, 1:], members, block, width)

@@ -154,3 +154,60 @@ def dequantize_sum_int4(packed: torch.Tensor, scale: torch.Tensor, block: int, n
 @dequantize_sum_int4.register_fake
 def _(packed, scale, block, n):
     return packed.new_empty(n, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- qgZ exchanges: a bucket's segments at once
+def int4_row_bytes(members: list[int], block: int, width: int) -> int:
+    """Bytes of one row of quantize_int4_rows' result: per member, its packed values and its fp32 scales."""
+    total = 0
+    for m in members:
+        _, nb, padded = fit_blocks(m, block, even=True)
+        total += width * padded // 2 + 4 * width * nb
+    return total
+
+
+@torch.library.custom_op("zcompile::quantize_int4_rows", mutates_args=())
+def quantize_int4_rows(x: torch.Tensor, members: list[int], block: int) -> torch.Tensor:
+    """x: [rows, width, sum(members)], any strides. Each member's columns are zero-padded to their fit_blocks length
+    and quantized to int4 in their own blocks (over [rows, width, padded], flat), so no block mixes two members;
+    returns uint8 [rows, int4_row_bytes]: per member, its packed values then its scales' bytes. Row j goes to group
+    rank j of an all-to-all. One op per exchange, not a few per member: inductor compiles no per-member copies."""
+    if x.dim() != 3 or x.shape[2] != sum(members):
+        raise ValueError(f"expected [rows, width, {sum(members)}] for members {members}, got {tuple(x.shape)}")
+    rows, width, _ = x.shape
+    parts, offset = [], 0
+    for m in members:
+        size, nb, padded = fit_blocks(m, block, even=True)
+        seg = torch.nn.functional.pad(x[:, :, offset:offset + m], (0, padded - m)).contiguous().view(-1)
+        packed, scale = quantize_int4(seg, size)
+        parts += [packed.view(rows, width * padded // 2), scale.view(torch.uint8).view(rows, 4 * width * nb)]
+        offset += m
+    return torch.cat(parts, 1)
+
+
+@quantize_int4_rows.register_fake
+def _(x, members, block):
+    return x.new_empty((x.shape[0], int4_row_bytes(members, block, x.shape[1])), dtype=torch.uint8)
+
+
+@torch.library.custom_op("zcompile::dequantize_sum_int4_rows", mutates_args=())
+def dequantize_sum_int4_rows(recv: torch.Tensor, members: list[int], block: int, width: int) -> torch.Tensor:
+    """recv: uint8 [rows, int4_row_bytes] laid out by quantize_int4_rows (row j from group rank j). Each member
+    dequantized and summed over the rows in fp32 (dequantize_sum_int4), padding dropped: fp32 [width, sum(members)]."""
+    if recv.dim() != 2 or recv.shape[1] != int4_row_bytes(members, block, width):
+        raise ValueError(f"expected [rows, {int4_row_bytes(members, block, width)}] bytes for members {members}, "
+                         f"width {width}, got {tuple(recv.shape)}")
+    outs, offset = [], 0
+    for m in members:
+        size, nb, padded = fit_blocks(m, block, even=True)
+        values, scales = width * padded // 2, 4 * width * nb
+        packed = recv[:, offset:offset + values].contiguous()
+        scale = recv[:, offset + values:offset + values + scales].contiguous().view(torch.float32)
+        outs.append(dequantize_sum_int4(packed, scale, size, width * padded).view(width, padded)[:, :m])
+        offset += values + scales
+    return torch.cat(outs, 1)
+
+
+@dequantize_sum_int4_rows.register_fake
+def _(recv, members, block, width):
+    return recv.new_empty((width, sum(members)), dtype=torch.float32)

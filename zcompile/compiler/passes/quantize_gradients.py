@@ -6,7 +6,7 @@ For a world of K nodes x G ranks (rank n*G + l) and a reduce-scatter of [world *
    own blocks (kernels.quantize.fit_blocks), so a small-gradient parameter is not rounded on a neighbour's scale;
 2. intra-node all-to-all of int4 blocks (+ fp32 scales): local rank l receives, from each of its node's G ranks,
    the K slices destined to local rank l of every node;
-3. dequantize + sum over the G senders (zcompile.dequantize_sum_int4, fp32): the node's partial sums;
+3. dequantize + sum over the G senders (zcompile.dequantize_sum_int4_rows, fp32): the node's partial sums;
 4. inter-node all-to-all (the K ranks with local rank l) of the int4-quantized partial sums;
 5. dequantize + final sum over the K nodes in fp32: this rank's shard, cast to the reduce dtype.
 Only step 4 crosses nodes: int4 partial sums, 1/G of the gradient per rank. One node (K=1) skips step 4; one rank
@@ -14,8 +14,6 @@ per node (G=1) skips steps 2-3. Step 2 is issued where the reduce-scatter was; s
 Gradients were already scaled by 1/world (reduce_grads), so the sums are the average.
 """
 from __future__ import annotations
-
-import operator
 
 import torch
 import torch.fx as fx
@@ -29,40 +27,20 @@ prims = torch.ops.prims
 zc = torch.ops.zcompile
 
 
-def _exchange(graph: fx.Graph, segments: list[fx.Node], rows: int, blocking: list[tuple[int, int, int]],
-              width: int, group, why: str) -> fx.Node:
-    """Quantize each segment ([rows, width * padded_i], row j for group rank j) to int4 in its own blocks, pack the
-    values and fp32 scales of every segment into one uint8 row per destination, all-to-all it; returns the wait."""
-    parts = []
-    for seg, (block, nb, padded) in zip(segments, blocking):
-        qs = graph.call_function(zc.quantize_int4.default, (seg, block))
-        packed = graph.call_function(operator.getitem, (qs, 0))
-        parts.append(graph.call_function(aten.view.default, (packed, [rows, width * padded // 2])))
-        scales = graph.call_function(aten.view.dtype, (graph.call_function(operator.getitem, (qs, 1)), torch.uint8))
-        parts.append(graph.call_function(aten.view.default, (scales, [rows, 4 * width * nb])))
-    payload = graph.call_function(aten.cat.default, (parts, 1))
-    row = _row_bytes(blocking, width)
-    flat = graph.call_function(aten.view.default, (payload, [rows * row]))
-    return collectives.all_to_all(graph, flat, rows * row, torch.uint8, group, why)
+def _exchange(graph: fx.Graph, x: fx.Node, rows: int, width: int, members: list[int], block: int, group,
+              why: str) -> fx.Node:
+    """Quantize x ([rows, width, sum(members)], row j for group rank j) to int4, each member in its own blocks, into
+    one uint8 row per destination (zcompile::quantize_int4_rows), and all-to-all it; returns the wait."""
+    payload = graph.call_function(zc.quantize_int4_rows.default, (x, members, block))
+    nbytes = rows * _ops.int4_row_bytes(members, block, width)
+    flat = graph.call_function(aten.view.default, (payload, [nbytes]))
+    return collectives.all_to_all(graph, flat, nbytes, torch.uint8, group, why)
 
 
-def _row_bytes(blocking: list[tuple[int, int, int]], width: int) -> int:
-    return sum(width * padded // 2 + 4 * width * nb for _, nb, padded in blocking)
-
-
-def _sum(graph: fx.Graph, wait: fx.Node, rows: int, blocking: list[tuple[int, int, int]], width: int) -> list[fx.Node]:
-    """Dequantize the received rows and sum them in fp32, per segment: [width * padded_i] each."""
-    recv = graph.call_function(aten.view.default, (wait, [rows, _row_bytes(blocking, width)]))
-    out, offset = [], 0
-    for block, nb, padded in blocking:
-        cols = []
-        for n in (width * padded // 2, 4 * width * nb):
-            part = graph.call_function(aten.slice.Tensor, (recv, 1, offset, offset + n))
-            cols.append(graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format}))
-            offset += n
-        scales = graph.call_function(aten.view.dtype, (cols[1], torch.float32))
-        out.append(graph.call_function(zc.dequantize_sum_int4.default, (cols[0], scales, block, width * padded)))
-    return out
+def _sum(graph: fx.Graph, wait: fx.Node, rows: int, members: list[int], block: int, width: int) -> fx.Node:
+    """Dequantize the received rows and sum them in fp32: [width, sum(members)]."""
+    recv = graph.call_function(aten.view.default, (wait, [rows, _ops.int4_row_bytes(members, block, width)]))
+    return graph.call_function(zc.dequantize_sum_int4_rows.default, (recv, members, block, width))
 
 
 def _hierarchical(graph: fx.Graph, rs: fx.Node, block: int, intra, inter) -> None:
@@ -72,30 +50,24 @@ def _hierarchical(graph: fx.Graph, rs: fx.Node, block: int, intra, inter) -> Non
     assert nodes * local == world, (nodes, local, world)
     s = comm.numel // world
     members = comm.members or [s]  # a bucket's per-rank segments: each is quantized in its own blocks
-    blocking = [_ops.fit_blocks(m, block, even=True) for m in members]
     what = comm.why.split(": ", 1)[-1]
     wait = collectives.wait_of(rs)
-    with graph.inserting_before(rs):
-        x = graph.call_function(aten.view.default, (flat, [nodes, local, s]))
-        x = graph.call_function(aten.permute.default, (x, [1, 0, 2]))  # [local rank, node, shard]
-        segments, offset = [], 0
-        for m, (_, _, padded) in zip(members, blocking):
-            seg = graph.call_function(aten.slice.Tensor, (x, 2, offset, offset + m))
-            seg = graph.call_function(aten.constant_pad_nd.default, (seg, [0, padded - m], 0.0))
-            seg = graph.call_function(aten.clone.default, (seg,), {"memory_format": torch.contiguous_format})
-            segments.append(graph.call_function(aten.view.default, (seg, [local * nodes * padded])))
-            offset += m
-        if local > 1:
-            first = _exchange(graph, segments, local, blocking, nodes, intra,
+    if local > 1:
+        with graph.inserting_before(rs):
+            x = graph.call_function(aten.view.default, (flat, [nodes, local, s]))
+            x = graph.call_function(aten.permute.default, (x, [1, 0, 2]))  # [local rank, node, shard]
+            first = _exchange(graph, x, local, nodes, members, block, intra,
                               f"backward: qgZ intra-node all-to-all (int4) of {what}")
     with graph.inserting_before(wait):
-        partial = _sum(graph, first, local, blocking, nodes) if local > 1 else segments
+        # [node, shard]: this node's partial sums for local rank `rank % local` of every node
+        partial = _sum(graph, first, local, members, block, nodes) if local > 1 else \
+            graph.call_function(aten.view.default, (flat, [nodes, s]))
         if nodes > 1:
-            second = _exchange(graph, partial, nodes, blocking, 1, inter,
-                               f"backward: qgZ inter-node all-to-all (int4 partial sums) of {what}")
-            partial = _sum(graph, second, nodes, blocking, 1)
-        shards = [graph.call_function(aten.slice.Tensor, (p, 0, 0, m)) for p, m in zip(partial, members)]
-        shard = graph.call_function(aten.cat.default, (shards,)) if len(shards) > 1 else shards[0]
+            second = graph.call_function(aten.view.default, (partial, [nodes, 1, s]))
+            wait2 = _exchange(graph, second, nodes, 1, members, block, inter,
+                              f"backward: qgZ inter-node all-to-all (int4 partial sums) of {what}")
+            partial = _sum(graph, wait2, nodes, members, block, 1)
+        shard = graph.call_function(aten.view.default, (partial, [s]))
         shard = graph.call_function(prims.convert_element_type.default, (shard, comm.dtype))
     shard.meta["zc_note"] = "qgZ: this rank's reduced gradient shard"
     wait.replace_all_uses_with(shard)
