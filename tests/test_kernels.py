@@ -96,3 +96,20 @@ def test_int4_rows_quantize_each_member_in_its_own_blocks_and_sum_over_rows():
         ops.quantize_int4_rows(x[:, :, :10], members, block)
     with pytest.raises(ValueError, match="expected"):
         ops.dequantize_sum_int4_rows(payload[:, 1:], members, block, width)
+
+
+@pytest.mark.parametrize("n, block", [(300, 64), (64, 64), (7, 2048)])
+def test_int8_payloads_are_padded_values_then_scales_per_rank(n, block):
+    """qwZ's gather ops: [values (padded to whole blocks) | fp32 scale bytes] per rank, dequantized and unpadded."""
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(n, generator=g) * (k + 1) for k in range(3)]
+    size, nb, padded, row = qz.int8_payload(n, block)
+    payloads = [ops.quantize_int8_payload(x, block) for x in xs]
+    full = ops.dequantize_int8_payload(torch.cat(payloads), n, block, torch.bfloat16)
+    assert full.shape == (3 * n,) and full.dtype == torch.bfloat16
+    for k, (x, p) in enumerate(zip(xs, payloads)):
+        q, s = ops.quantize_int8(torch.nn.functional.pad(x, (0, padded - n)), size)
+        assert p.shape == (row,) and torch.equal(p, torch.cat([q, s.view(torch.int8)]))
+        assert torch.equal(full[k * n:(k + 1) * n], ops.dequantize_int8(q, s, size, torch.bfloat16)[:n])
+    with pytest.raises(ValueError, match="payload bytes"):
+        ops.dequantize_int8_payload(torch.cat(payloads)[1:], n, block, torch.float32)

@@ -172,8 +172,15 @@ def test_quantize_weights_gathers_int8_blocks_and_dequantizes():
     pctx = context(cfg, "forward", {0: (6, 4)}, 2)
     gm = quantize_weights.run(shard_params.run(trace(_linear_fw, (6, 4), (3, 4)), pctx), pctx)
     names = ops(gm)
-    assert names[:2] == ["quantize_int8", "getitem"] and "dequantize_int8" in names
-    assert names.index("all_gather_into_tensor_out") < names.index("wait_tensor") < names.index("dequantize_int8")
+    assert names[0] == "quantize_int8_payload" and "dequantize_int8_payload" in names
+    assert (names.index("all_gather_into_tensor_out") < names.index("wait_tensor")
+            < names.index("dequantize_int8_payload"))
+    # 6 values in one block of 6 (+ 4 scale bytes) per rank, [rank][values | scales]
+    x = torch.randn(6)
+    payload = torch.ops.zcompile.quantize_int8_payload(x, 8)
+    assert payload.shape == (10,) and payload.dtype == torch.int8
+    full = torch.ops.zcompile.dequantize_int8_payload(torch.cat([payload, payload]), 6, 8, torch.float32)
+    assert full.shape == (12,) and (full - torch.cat([x, x])).abs().max() <= x.abs().max() / 127 / 2 * 1.0001
     (rec,) = records(gm)
     assert rec.dtype == torch.int8 and rec.param == 0 and "qwZ" in rec.why  # still names its parameter
 

@@ -156,6 +156,50 @@ def _(packed, scale, block, n):
     return packed.new_empty(n, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- qwZ payloads: one op per side of a gather
+def int8_payload(n: int, block: int) -> tuple[int, int, int, int]:
+    """qwZ's layout of an n-element shard, blocks of at most `block` (fit_blocks): (block size, blocks, padded values,
+    payload bytes)."""
+    size, nb, padded = fit_blocks(n, block)
+    return size, nb, padded, padded + 4 * nb
+
+
+@torch.library.custom_op("zcompile::quantize_int8_payload", mutates_args=())
+def quantize_int8_payload(x: torch.Tensor, block: int) -> torch.Tensor:
+    """A flat shard as qwZ gathers it, in blocks of at most `block` (int8_payload): zero-padded to whole blocks, int8
+    values then the fp32 block scales' bytes. One op where the graph had a pad, the quantize and a concatenation."""
+    _check(x, block)
+    size, _, padded, _ = int8_payload(x.numel(), block)
+    q, scale = quantize_int8(torch.nn.functional.pad(x, (0, padded - x.numel())), size)
+    return torch.cat([q, scale.view(torch.int8)])
+
+
+@quantize_int8_payload.register_fake
+def _(x, block):
+    return x.new_empty(int8_payload(x.numel(), block)[3], dtype=torch.int8)
+
+
+@torch.library.custom_op("zcompile::dequantize_int8_payload", mutates_args=())
+def dequantize_int8_payload(rows: torch.Tensor, n: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """The all-gathered payloads of quantize_int8_payload ([world * payload bytes], rank-major) dequantized to
+    `dtype` and unpadded: [world * n]. One op where the graph had a copy of the values, one of the scales, the
+    dequantize and a copy dropping the padding."""
+    size, _, padded, row = int8_payload(n, block)
+    if rows.dim() != 1 or rows.numel() % row:
+        raise ValueError(f"expected a flat multiple of {row} payload bytes (n {n}, block {block}), "
+                         f"got {tuple(rows.shape)}")
+    r = rows.view(-1, row)
+    values = r[:, :padded].contiguous().view(-1)
+    scales = r[:, padded:].contiguous().view(torch.float32).view(-1)
+    full = dequantize_int8(values, scales, size, dtype).view(r.shape[0], padded)
+    return full[:, :n].contiguous().view(-1)
+
+
+@dequantize_int8_payload.register_fake
+def _(rows, n, block, dtype):
+    return rows.new_empty(rows.numel() // int8_payload(n, block)[3] * n, dtype=dtype)
+
+
 # ---------------------------------------------------------------- qgZ exchanges: a bucket's segments at once
 def int4_row_bytes(members: list[int], block: int, width: int) -> int:
     """Bytes of one row of quantize_int4_rows' result: per member, its packed values and its fp32 scales."""
