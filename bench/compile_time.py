@@ -10,8 +10,9 @@ fresh processes: cold (an empty inductor cache directory) and warm (the same dir
 a job would find it). Compile time = first step - median of the next steps. Reports per run: compile time, step time,
 where zcompile's compile time goes (dynamo tracing, AOTAutograd and its partitioner, zcompile's passes, fake
 propagation, liveness, inductor per graph), inductor's FX graph cache and AOTAutograd cache hits/misses, and for
-zcompile how many graph regions ran and how many distinct ones were compiled (backends/regions.py). Writes a
-Markdown table, a JSON file and a PNG plot to bench/results.
+zcompile how many graph regions ran and how many distinct ones were compiled (backends/regions.py), with each
+inductor compile's seconds, nodes and kernels in the JSON ('region compiles'). Writes a Markdown table, a JSON
+file and a PNG plot to bench/results.
 """
 from __future__ import annotations
 
@@ -85,6 +86,24 @@ def _time_first_trace() -> dict:
     return record
 
 
+def _time_region_compiles() -> list:
+    """Seconds, FX nodes and generated C++/Triton kernels of each inductor compile zcompile makes (one per distinct
+    region, in compile order), under 'region compiles' in the JSON."""
+    from zcompile.compiler.backends import inductor
+    record, compile_inductor = [], inductor.compile_inductor
+
+    def timed(gm, example_inputs, kind):
+        t0 = time.perf_counter()
+        compiled = compile_inductor(gm, example_inputs, kind)
+        code = getattr(compiled, "source_code", "") or ""
+        record.append({"kind": kind, "s": round(time.perf_counter() - t0, 2),
+                       "nodes": sum(n.op == "call_function" for n in gm.graph.nodes),
+                       "kernels": code.count("async_compile.cpp_pybinding(") + code.count("async_compile.triton(")})
+        return compiled
+    inductor.compile_inductor = timed
+    return record
+
+
 def _cache_counters() -> dict:
     from torch._dynamo.utils import counters
     return {"fx graph cache hit": counters["inductor"]["fxgraph_cache_hit"],
@@ -100,6 +119,7 @@ def worker(rank: int, world: int, system: str, layers: int, args, run: str = "")
     setup = _plain_compile if system == "torch_compile_1proc" else SYSTEMS[system]
     step = setup(model, world, device, args)
     restart = _time_first_trace() if system.startswith("zcompile") else {}
+    region_compiles = _time_region_compiles() if system.startswith("zcompile") else []
     times = []
     for i in range(1 + args.steps):
         x = compare.batch(i, rank, world, args.micro, args.seq, device)
@@ -126,6 +146,7 @@ def worker(rank: int, world: int, system: str, layers: int, args, run: str = "")
             phases["dynamo first trace (restarted)"] = restart["first trace"]
         out["zcompile_phases"] = phases
         out["regions"] = {f"{job.graph_id}:{kind}": r for job in jobs for kind, r in job.regions.items()}
+        out["region compiles"] = region_compiles
     return out
 
 
