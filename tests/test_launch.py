@@ -33,3 +33,20 @@ def test_a_failing_rank_is_reported_with_its_traceback():
         assert list(e.errors) == [1] and "ValueError: rank 1 fails" in e.errors[1]
     else:
         raise AssertionError("run_world returned although rank 1 failed")
+
+
+def _inductor_fx_graph_cache(rank, world):
+    from torch._inductor import config
+    return config.fx_graph_cache, os.environ.get("TORCHINDUCTOR_FX_GRAPH_CACHE")
+
+
+def test_a_variable_torch_reads_at_import_is_not_ignored(monkeypatch):
+    """Inductor reads TORCHINDUCTOR_FX_GRAPH_CACHE when its config is imported, which the fork server has done: such
+    a variable, given to run_world or set by the caller, makes the world start in fresh interpreters instead."""
+    monkeypatch.delenv("TORCHINDUCTOR_FX_GRAPH_CACHE", raising=False)
+    assert run_world(1, _inductor_fx_graph_cache) == [(True, None)]  # the fork server is up
+    assert run_world(1, _inductor_fx_graph_cache, env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}) == [(False, "0")]
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    assert run_world(2, _inductor_fx_graph_cache) == [(False, "0")] * 2
+    monkeypatch.delenv("TORCHINDUCTOR_FX_GRAPH_CACHE")
+    assert run_world(1, _inductor_fx_graph_cache) == [(True, None)]

@@ -53,15 +53,38 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs, en
     os._exit(code)
 
 
+# Read when torch, triton or inductor's config is imported: a forked worker has imported them already. (Inductor
+# reads its cache directory at each use: the benchmarks give every run its own through the fork server.)
+_IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRITON")
+_READ_AT_USE = {"TORCHINDUCTOR_CACHE_DIR"}
+
+
 @functools.cache
 def _start_context():
     """Workers fork from a server process that imported torch once (forkserver), instead of each importing it
     (spawn): on 2 cores a world of 4 started in 6.6 s, most of it four imports of torch. The server forks before
-    any CUDA or process-group state exists, as spawn would start. Where forkserver is missing: spawn."""
+    any CUDA or process-group state exists, as spawn would start. Where forkserver is missing: spawn.
+    Returns (context, {} to hold the environment the server starts with)."""
     if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
+        return mp.get_context("spawn"), None
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "zcompile"])
+    return ctx, {}
+
+
+def _context_for(env: dict):
+    """The fork server, unless the workers' environment differs from the server's in a variable read when torch is
+    imported (TORCHINDUCTOR_FX_GRAPH_CACHE, TORCH_LOGS, TRITON_INTERPRET, ...): then fresh interpreters (spawn)
+    started with it, so the setting is not silently ignored."""
+    ctx, server = _start_context()
+    if server is None:
+        return ctx
+    started_with = server.get("env", os.environ)  # a server not started yet starts now, with this environment
+    wanted = {**os.environ, **env}
+    changed = {k for k in set(wanted) | set(started_with) if wanted.get(k) != started_with.get(k)}
+    if any(k.startswith(_IMPORT_TIME_PREFIXES) and k not in _READ_AT_USE for k in changed):
+        return mp.get_context("spawn")
+    server.setdefault("env", dict(os.environ))
     return ctx
 
 
@@ -72,14 +95,24 @@ class WorkerFailed(AssertionError):
 
 
 def run_world(world: int, fn, *args, timeout: float = 600, env: dict | None = None, **kwargs) -> list:
-    """fn(rank, world, *args, **kwargs) on `world` processes; returns their results, or raises WorkerFailed with tracebacks."""
-    ctx = _start_context()
+    """fn(rank, world, *args, **kwargs) on `world` processes; returns their results, or raises WorkerFailed with tracebacks.
+    The workers see the caller's environment and directory as they are now, `env` over them; a variable torch reads
+    at import that differs from the fork server's starts them in fresh interpreters (~3 s each on 2 cores)."""
+    env = env or {}
+    ctx = _context_for(env)
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, env or {},
+        procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, args, kwargs, env,
                                                    dict(os.environ), os.getcwd())) for r in range(world)]
-        for p in procs:
-            p.start()
+        saved = dict(os.environ)
+        try:
+            if ctx.get_start_method() == "spawn":
+                os.environ.update(env)  # a spawned interpreter starts with it, before it imports torch
+            for p in procs:
+                p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         for p in procs:
             p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
