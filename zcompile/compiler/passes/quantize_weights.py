@@ -6,8 +6,8 @@ block of 32, not a block of 2048 mostly padding). Each rank quantizes its shard 
 appends the fp32 block scales as bytes (zcompile.quantize_int8_payload), and all-gathers that one int8 payload;
 every rank then splits the [rank][values | scales] rows and dequantizes them into the dtype the gather had, fp32 or
 bf16 under mixed precision (zcompile.dequantize_int8_payload). One op on each side: inductor compiles no
-per-parameter copies around them. A 4-byte parameter travels as ~1 byte (plus 4 bytes per block). Backward re-gathers stay exact: the gradient is taken
-against the dequantized forward weights, as in ZeRO++.
+per-parameter copies around them. A 4-byte parameter travels as ~1 byte (plus 4 bytes per block). Backward
+re-gathers stay exact: the gradient is taken against the dequantized forward weights, as in ZeRO++.
 """
 from __future__ import annotations
 
