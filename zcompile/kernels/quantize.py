@@ -201,13 +201,16 @@ def _(rows, n, block, dtype):
 
 
 # ---------------------------------------------------------------- qgZ exchanges: a bucket's segments at once
+def _int4_segments(members: list[int], block: int, width: int):
+    """Each member's part of a qgZ row: (its length, block size, padded length, packed value bytes, scale bytes)."""
+    for m in members:
+        size, nb, padded = fit_blocks(m, block, even=True)
+        yield m, size, padded, width * padded // 2, 4 * width * nb
+
+
 def int4_row_bytes(members: list[int], block: int, width: int) -> int:
     """Bytes of one row of quantize_int4_rows' result: per member, its packed values and its fp32 scales."""
-    total = 0
-    for m in members:
-        _, nb, padded = fit_blocks(m, block, even=True)
-        total += width * padded // 2 + 4 * width * nb
-    return total
+    return sum(values + scales for *_, values, scales in _int4_segments(members, block, width))
 
 
 @torch.library.custom_op("zcompile::quantize_int4_rows", mutates_args=())
@@ -220,11 +223,10 @@ def quantize_int4_rows(x: torch.Tensor, members: list[int], block: int) -> torch
         raise ValueError(f"expected [rows, width, {sum(members)}] for members {members}, got {tuple(x.shape)}")
     rows, width, _ = x.shape
     parts, offset = [], 0
-    for m in members:
-        size, nb, padded = fit_blocks(m, block, even=True)
+    for m, size, padded, values, scales in _int4_segments(members, block, width):
         seg = torch.nn.functional.pad(x[:, :, offset:offset + m], (0, padded - m)).contiguous().view(-1)
         packed, scale = quantize_int4(seg, size)
-        parts += [packed.view(rows, width * padded // 2), scale.view(torch.uint8).view(rows, 4 * width * nb)]
+        parts += [packed.view(rows, values), scale.view(torch.uint8).view(rows, scales)]
         offset += m
     return torch.cat(parts, 1)
 
@@ -242,9 +244,7 @@ def dequantize_sum_int4_rows(recv: torch.Tensor, members: list[int], block: int,
         raise ValueError(f"expected [rows, {int4_row_bytes(members, block, width)}] bytes for members {members}, "
                          f"width {width}, got {tuple(recv.shape)}")
     outs, offset = [], 0
-    for m in members:
-        size, nb, padded = fit_blocks(m, block, even=True)
-        values, scales = width * padded // 2, 4 * width * nb
+    for m, size, padded, values, scales in _int4_segments(members, block, width):
         packed = recv[:, offset:offset + values].contiguous()
         scale = recv[:, offset + values:offset + values + scales].contiguous().view(torch.float32)
         outs.append(dequantize_sum_int4(packed, scale, size, width * padded).view(width, padded)[:, :m])
