@@ -11,15 +11,19 @@ a job would find it). Compile time = first step - median of the next steps. Repo
 where zcompile's compile time goes (dynamo tracing, AOTAutograd and its partitioner, zcompile's passes, fake
 propagation, liveness, inductor per graph), inductor's FX graph cache and AOTAutograd cache hits/misses, and for
 zcompile how many graph regions ran and how many distinct ones were compiled (backends/regions.py), with each
-inductor compile's seconds, nodes and kernels in the JSON ('region compiles'). Writes a Markdown table, a JSON
-file and a PNG plot to bench/results.
+inductor compile's seconds, nodes and kernels in the JSON ('region compiles'), and the kernels inductor built in the
+cold launch (distinct sources, and calls in the cached graphs). Writes a Markdown table, a JSON file and a PNG plot
+to bench/results.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import glob
 import json
 import os
+import pickle
+import re
 import statistics
 import sys
 import tempfile
@@ -104,6 +108,27 @@ def _time_region_compiles() -> list:
     return record
 
 
+_KERNEL = re.compile(r"async_compile\.(?:cpp_pybinding|triton)\((.*?)'''\)", re.S)
+
+
+def kernels_built(cache_dir: str) -> dict:
+    """Kernels in the inductor graphs a launch wrote to `cache_dir` (its FX graph cache, one entry per graph key):
+    how many the graphs call and how many distinct sources among them. Each distinct C++ kernel is one g++ build
+    (1.1-1.6 s each on the 2-core VM, whatever its size: docs/compile-time.md), so on CPU the distinct count sets
+    most of a cold compile."""
+    calls, distinct = 0, set()
+    for key in glob.glob(os.path.join(cache_dir, "fxgraph", "*", "*")):  # one entry per key: ranks write the same
+        try:
+            with open(min(glob.glob(os.path.join(key, "*"))), "rb") as f:
+                code = getattr(pickle.load(f), "source_code", "") or ""
+        except Exception:  # not a cached graph (an empty key directory, a partial write)
+            continue
+        found = _KERNEL.findall(code)
+        calls += len(found)
+        distinct.update(found)
+    return {"kernels called": calls, "distinct kernels": len(distinct)}
+
+
 def _cache_counters() -> dict:
     from torch._dynamo.utils import counters
     return {"fx graph cache hit": counters["inductor"]["fxgraph_cache_hit"],
@@ -165,8 +190,8 @@ def markdown(rows: list[dict], header: str) -> str:
     out = [header, "",
            "| system | layers | step (ms) | cold compile (s) | warm compile (s) | cold: dynamo tracing / zcompile "
            "passes+analysis / inductor (s) | warm: FX graph cache hit/miss, AOT cache hit/miss | regions run / "
-           "compiled (fw, bw) | final loss |",
-           "|---|---:|---:|---:|---:|---|---|---|---:|"]
+           "compiled (fw, bw) | kernels built: distinct / called | final loss |",
+           "|---|---:|---:|---:|---:|---|---|---|---|---:|"]
     for r in rows:
         cold, warm = r["cold"], r["warm"]
         if "error" in cold or "error" in warm:
@@ -179,7 +204,8 @@ def markdown(rows: list[dict], header: str) -> str:
         out.append(f"| {r['system']} | {r['layers']} | {warm['step_s'] * 1e3:.0f} | {cold['compile_s']:.1f} | "
                    f"{warm['compile_s']:.1f} | {p['dynamo tracing']:.1f} / {ours:.1f} / {p['inductor']:.1f} | "
                    f"{c['fx graph cache hit']}/{c['fx graph cache miss']}, {c['aot cache hit']}/{c['aot cache miss']} "
-                   f"| {regions} | {warm['loss']:.4f} |")
+                   f"| {regions} | {cold.get('distinct kernels', '-')} / {cold.get('kernels called', '-')} "
+                   f"| {warm['loss']:.4f} |")
     return "\n".join(out) + "\n"
 
 
@@ -229,6 +255,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="zc-inductor-cache-") as cache:
                 t0 = time.time()
                 row = {"system": system, "layers": layers, "cold": run_one(system, layers, cache, args, "cold")}
+                row["cold"].update(kernels_built(cache))
                 row["warm"] = run_one(system, layers, cache, args, "warm")
             rows.append(row)
             ok = "error" not in row["cold"] and "error" not in row["warm"]

@@ -1,5 +1,7 @@
 """bench/compare.py end to end on a tiny run: every row measured, and the systems agree on the loss."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -44,3 +46,27 @@ def test_offload_bench_reports_tiers_and_keeps_the_loss(tmp_path):
     assert rows["cpu"]["tiers"]["cpu->device"] > 0 and rows["nvme"]["tiers"]["nvme->cpu"] > 0
     assert rows["zero3"]["tiers"] == {} and rows["nvme"]["device_state"] == 0
     assert "| nvme |" in (tmp_path / "offload-gpt-small-w2-eager.md").read_text()
+
+
+def test_compile_time_counts_each_kernel_inductor_built_once(tmp_path):
+    """bench/compile_time.py's kernel count: every kernel of the cached graphs, each distinct source once, and a
+    graph two ranks both wrote (two entries under one key) once."""
+    sys.path.insert(0, "bench")
+    try:
+        from compile_time import kernels_built
+    finally:
+        sys.path.remove("bench")
+    cache = tmp_path / "cache"
+    script = ("import torch\n"
+              "f = torch.compile(lambda x: x.sin() + 1)\n"
+              "g = torch.compile(lambda x: (x.cos() * 2, (x.cos() * 2).sum()))\n"
+              "f(torch.randn(64)); g(torch.randn(64))\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=600, capture_output=True, env=env)
+    first = kernels_built(str(cache))
+    assert first["distinct kernels"] >= 2 and first["kernels called"] >= first["distinct kernels"], first
+    key = next(p for p in (cache / "fxgraph").glob("*/*") if p.is_dir())
+    entry = next(key.iterdir())
+    shutil.copy(entry, key / (entry.name + "-rank1"))  # another rank's write of the same graph
+    assert kernels_built(str(cache)) == first
+    assert kernels_built(str(tmp_path / "empty")) == {"kernels called": 0, "distinct kernels": 0}
