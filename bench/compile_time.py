@@ -12,8 +12,8 @@ where zcompile's compile time goes (dynamo tracing, AOTAutograd and its partitio
 propagation, liveness, inductor per graph), inductor's FX graph cache and AOTAutograd cache hits/misses, and for
 zcompile how many graph regions ran and how many distinct ones were compiled (backends/regions.py), with each
 inductor compile's seconds, nodes and kernels in the JSON ('region compiles'), and the kernels inductor built in the
-cold launch (distinct sources, and calls in the cached graphs). Writes a Markdown table, a JSON file and a PNG plot
-to bench/results.
+cold launch (distinct sources, and the kernels each cached graph defines, summed). Writes a Markdown table, a JSON
+file and a PNG plot to bench/results.
 """
 from __future__ import annotations
 
@@ -99,34 +99,41 @@ def _time_region_compiles() -> list:
     def timed(gm, example_inputs, kind):
         t0 = time.perf_counter()
         compiled = compile_inductor(gm, example_inputs, kind)
-        code = getattr(compiled, "source_code", "") or ""
         record.append({"kind": kind, "s": round(time.perf_counter() - t0, 2),
                        "nodes": sum(n.op == "call_function" for n in gm.graph.nodes),
-                       "kernels": code.count("async_compile.cpp_pybinding(") + code.count("async_compile.triton(")})
+                       "kernels": len(kernel_sources(getattr(compiled, "source_code", "") or ""))})
         return compiled
     inductor.compile_inductor = timed
     return record
 
 
-_KERNEL = re.compile(r"async_compile\.(?:cpp_pybinding|triton)\((.*?)'''\)", re.S)
+# A kernel in inductor's generated Python: `async_compile.cpp_pybinding([arg types], r'''<C++>''')` or
+# `async_compile.triton('name', '''<Triton>''', device_str='cuda')`, the call's opening on one line.
+_KERNEL = re.compile(r"async_compile\.(?:cpp_pybinding|triton)\([^\n]*?'''(.*?)'''", re.S)
+
+
+def kernel_sources(code: str) -> list[str]:
+    """The source of each kernel (C++ or Triton) that inductor's generated module `code` defines, in order."""
+    return _KERNEL.findall(code)
 
 
 def kernels_built(cache_dir: str) -> dict:
     """Kernels in the inductor graphs a launch wrote to `cache_dir` (its FX graph cache, one entry per graph key):
-    how many the graphs call and how many distinct sources among them. Each distinct C++ kernel is one g++ build
+    how many the graphs define (each graph's own, summed: a kernel may run more than once in its graph) and how
+    many distinct sources among them. Each distinct C++ kernel is one g++ build
     (1.1-1.6 s each on the 2-core VM, whatever its size: docs/compile-time.md), so on CPU the distinct count sets
     most of a cold compile."""
-    calls, distinct = 0, set()
+    defined, distinct = 0, set()
     for key in glob.glob(os.path.join(cache_dir, "fxgraph", "*", "*")):  # one entry per key: ranks write the same
         try:
             with open(min(glob.glob(os.path.join(key, "*"))), "rb") as f:
                 code = getattr(pickle.load(f), "source_code", "") or ""
         except Exception:  # not a cached graph (an empty key directory, a partial write)
             continue
-        found = _KERNEL.findall(code)
-        calls += len(found)
+        found = kernel_sources(code)
+        defined += len(found)
         distinct.update(found)
-    return {"kernels called": calls, "distinct kernels": len(distinct)}
+    return {"kernels defined": defined, "distinct kernels": len(distinct)}
 
 
 def _cache_counters() -> dict:
@@ -190,7 +197,7 @@ def markdown(rows: list[dict], header: str) -> str:
     out = [header, "",
            "| system | layers | step (ms) | cold compile (s) | warm compile (s) | cold: dynamo tracing / zcompile "
            "passes+analysis / inductor (s) | warm: FX graph cache hit/miss, AOT cache hit/miss | regions run / "
-           "compiled (fw, bw) | kernels built: distinct / called | final loss |",
+           "compiled (fw, bw) | kernels built: distinct / defined by the graphs | final loss |",
            "|---|---:|---:|---:|---:|---|---|---|---|---:|"]
     for r in rows:
         cold, warm = r["cold"], r["warm"]
@@ -204,7 +211,7 @@ def markdown(rows: list[dict], header: str) -> str:
         out.append(f"| {r['system']} | {r['layers']} | {warm['step_s'] * 1e3:.0f} | {cold['compile_s']:.1f} | "
                    f"{warm['compile_s']:.1f} | {p['dynamo tracing']:.1f} / {ours:.1f} / {p['inductor']:.1f} | "
                    f"{c['fx graph cache hit']}/{c['fx graph cache miss']}, {c['aot cache hit']}/{c['aot cache miss']} "
-                   f"| {regions} | {cold.get('distinct kernels', '-')} / {cold.get('kernels called', '-')} "
+                   f"| {regions} | {cold.get('distinct kernels', '-')} / {cold.get('kernels defined', '-')} "
                    f"| {warm['loss']:.4f} |")
     return "\n".join(out) + "\n"
 

@@ -48,14 +48,19 @@ def test_offload_bench_reports_tiers_and_keeps_the_loss(tmp_path):
     assert "| nvme |" in (tmp_path / "offload-gpt-small-w2-eager.md").read_text()
 
 
+def _compile_time_bench():
+    sys.path.insert(0, "bench")
+    try:
+        import compile_time
+    finally:
+        sys.path.remove("bench")
+    return compile_time
+
+
 def test_compile_time_counts_each_kernel_inductor_built_once(tmp_path):
     """bench/compile_time.py's kernel count: every kernel of the cached graphs, each distinct source once, and a
     graph two ranks both wrote (two entries under one key) once."""
-    sys.path.insert(0, "bench")
-    try:
-        from compile_time import kernels_built
-    finally:
-        sys.path.remove("bench")
+    kernels_built = _compile_time_bench().kernels_built
     cache = tmp_path / "cache"
     script = ("import torch\n"
               "f = torch.compile(lambda x: x.sin() + 1)\n"
@@ -64,9 +69,20 @@ def test_compile_time_counts_each_kernel_inductor_built_once(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     subprocess.run([sys.executable, "-c", script], check=True, timeout=600, capture_output=True, env=env)
     first = kernels_built(str(cache))
-    assert first["distinct kernels"] >= 2 and first["kernels called"] >= first["distinct kernels"], first
+    assert first["distinct kernels"] >= 2 and first["kernels defined"] >= first["distinct kernels"], first
     key = next(p for p in (cache / "fxgraph").glob("*/*") if p.is_dir())
     entry = next(key.iterdir())
     shutil.copy(entry, key / (entry.name + "-rank1"))  # another rank's write of the same graph
     assert kernels_built(str(cache)) == first
-    assert kernels_built(str(tmp_path / "empty")) == {"kernels called": 0, "distinct kernels": 0}
+    assert kernels_built(str(tmp_path / "empty")) == {"kernels defined": 0, "distinct kernels": 0}
+
+
+def test_compile_time_reads_cpp_and_triton_kernels_from_generated_code():
+    """Both forms inductor writes (torch/_inductor/codegen/cpp.py and triton.py): a Triton kernel's call goes on
+    after its source (device_str), a C++ one's does not."""
+    cpp = "extern \"C\" void kernel(float* out_ptr0)\n{\n}\n"
+    triton = "\nimport triton\n\n@triton.jit\ndef triton_poi_fused_0(in_ptr0, xnumel):\n    pass\n"
+    code = (f"cpp_fused_0 = async_compile.cpp_pybinding(['float*'], r'''\n{cpp}''')\n\n"
+            f"triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''{triton}''', device_str='cuda')\n"
+            "async_compile.wait(globals())\n")
+    assert _compile_time_bench().kernel_sources(code) == ["\n" + cpp, triton]
