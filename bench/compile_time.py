@@ -10,9 +10,9 @@ fresh processes: cold (an empty inductor cache directory) and warm (the same dir
 a job would find it). Compile time = first step - median of the next steps. Reports per run: compile time, step time,
 where zcompile's compile time goes (dynamo tracing, AOTAutograd and its partitioner, zcompile's passes, fake
 propagation, liveness, inductor per graph), inductor's FX graph cache and AOTAutograd cache hits/misses, and for
-zcompile how many graph regions ran and how many distinct ones were compiled (backends/regions.py), with each
-inductor compile's seconds, nodes and kernels in the JSON ('region compiles'), and the kernels inductor built in the
-cold launch (distinct sources, and the kernels each cached graph defines, summed). Writes a Markdown table, a JSON
+zcompile how many graph regions ran, how many of them ran compiled code (the others eagerly) and how many distinct
+ones were compiled (backends/regions.py), with each inductor compile's seconds, nodes and kernels in the JSON
+('region compiles'), and the kernels inductor built in the cold launch (distinct sources, and the kernels each cached graph defines, summed). Writes a Markdown table, a JSON
 file and a PNG plot to bench/results.
 """
 from __future__ import annotations
@@ -196,8 +196,8 @@ def run_one(system: str, layers: int, cache_dir: str, args, run: str) -> dict:
 def markdown(rows: list[dict], header: str) -> str:
     out = [header, "",
            "| system | layers | step (ms) | cold compile (s) | warm compile (s) | cold: dynamo tracing / zcompile "
-           "passes+analysis / inductor (s) | warm: FX graph cache hit/miss, AOT cache hit/miss | regions run / "
-           "compiled (fw, bw) | kernels built: distinct / defined by the graphs | final loss |",
+           "passes+analysis / inductor (s) | warm: FX graph cache hit/miss, AOT cache hit/miss | regions: run / "
+           "compiled code / distinct compiled (fw, bw) | kernels built: distinct / defined by the graphs | final loss |",
            "|---|---:|---:|---:|---:|---|---|---|---|---:|"]
     for r in rows:
         cold, warm = r["cold"], r["warm"]
@@ -207,7 +207,7 @@ def markdown(rows: list[dict], header: str) -> str:
         p, z = cold["phases"], cold.get("zcompile_phases", {})
         ours = sum(v for k, v in z.items() if not k.startswith(("inductor", "eager", "dynamo")))
         c = warm["cache"]
-        regions = ", ".join(f"{a}/{b}" for a, b in cold.get("regions", {}).values()) or "-"
+        regions = ", ".join("/".join(map(str, r)) for r in cold.get("regions", {}).values()) or "-"
         out.append(f"| {r['system']} | {r['layers']} | {warm['step_s'] * 1e3:.0f} | {cold['compile_s']:.1f} | "
                    f"{warm['compile_s']:.1f} | {p['dynamo tracing']:.1f} / {ours:.1f} / {p['inductor']:.1f} | "
                    f"{c['fx graph cache hit']}/{c['fx graph cache miss']}, {c['aot cache hit']}/{c['aot cache miss']} "

@@ -1,6 +1,7 @@
 """Regional compile (zcompile/compiler/backends/regions.py), single process: the cut points, that repeated blocks
 share one compiled region whatever the depth, that the program matches the model and drops each value after its
 last reader. (The 2-rank inductor runs in test_parity, test_zeropp and test_offload go through it with collectives.)"""
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -87,7 +88,8 @@ def test_repeated_blocks_compile_once_at_any_depth_and_match_the_model():
         assert_matches_the_model(net, run, x, atol=1e-6)
         counts[depth] = {k: (p.regions, p.compiled) for k, p in programs.items()}
         for kind, p in programs.items():
-            assert p.regions == depth, (kind, p.regions)  # one region per block, the other modules join the ends
+            assert p.compiled_regions == depth, (kind, p.compiled_regions)  # one compiled region per block
+            assert p.regions == depth + 2, (kind, p.regions)  # and the modules before and after, run eagerly
             assert p.compiled <= 3, (kind, p.regions, p.compiled)  # first block, the others, last block
     # twice the blocks, the same distinct regions: compile cost does not grow with depth
     assert {k: c for k, (_, c) in counts[4].items()} == {k: c for k, (_, c) in counts[8].items()}, counts
@@ -103,14 +105,14 @@ def test_a_dynamic_batch_compiles_the_same_regions_once_for_every_size():
     for n in (3, 5, 8):
         assert_matches_the_model(net, run, torch.randn(n, 16), atol=1e-5)
     for kind, p in programs.items():
-        assert p.regions == 4 and p.compiled <= 3, (kind, p.regions, p.compiled)
+        assert p.compiled_regions == 4 and p.compiled <= 3, (kind, p.compiled_regions, p.compiled)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
 
 def test_auto_compiles_regions_only_where_they_repeat():
     """min_reuse (regional_compile 'auto'): a shallow graph compiles as one graph (None), a deep one by regions."""
     seen = {}
-    for depth in (2, 12):
+    for depth in (1, 12):
         torch._dynamo.reset()
         torch.manual_seed(0)
 
@@ -120,8 +122,9 @@ def test_auto_compiles_regions_only_where_they_repeat():
             return seen[depth] if seen[depth] is not None else make_boxed_func(gm.forward)
         run = torch.compile(Net(depth), backend=aot_autograd(fw_compiler=fw_compiler))
         run(torch.randn(4, 16)).backward()
-    assert seen[2] is None
-    assert seen[12] is not None and seen[12].regions >= 2 * seen[12].compiled, (seen[12].regions, seen[12].compiled)
+    assert seen[1] is None  # one block: nothing repeats
+    deep = seen[12]
+    assert deep is not None and deep.compiled_regions >= 2 * deep.compiled, (deep.compiled_regions, deep.compiled)
 
 
 def test_each_value_is_dropped_after_its_last_reader():
@@ -255,6 +258,97 @@ def test_a_held_collective_input_is_held_until_the_wait_and_crosses_a_cut_to_it(
     assert hold.args[0].op == "placeholder"
 
 
+def _prefetching_blocks(depth: int, issue_after_wait: bool, group: str = "0") -> fx.GraphModule:
+    """Blocks as the passes schedule them (world 1): block k waits for its bucket, gathered from a shard input, and
+    issues the next bucket's gather before that wait (prefetch), or after it (`issue_after_wait`: a block of two
+    buckets); the last block prefetches the head's bucket, of another size; the head reads it."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(8, 8)
+    shards = []
+    for k in range(depth + 1):
+        shards.append(g.placeholder(f"shard{k}"))
+        shards[-1].meta["val"] = torch.randn(64 if k < depth else 8)
+
+    def issue(k: int) -> fx.Node:
+        cat = g.call_function(aten.cat.default, ([shards[k]],))
+        out = g.call_function(aten.new_empty.default, (cat, [shards[k].meta["val"].numel()]))
+        ag = g.call_function(c10d.all_gather_into_tensor_out.default, (cat, 1, group), {"out": out})
+        for n in (cat, out, ag):
+            n.meta["val"] = shards[k].meta["val"].clone()
+        collectives.annotate(ag, "all_gather", 4 * cat.meta["val"].numel(), group, "test", cat.meta["val"].numel(),
+                             torch.float32, (0,))
+        return ag
+
+    def wait(ag: fx.Node, shape: list[int]) -> fx.Node:
+        w = g.call_function(c10d.wait_tensor.default, (ag,))
+        w.meta["val"] = ag.meta["val"]
+        v = g.call_function(aten.view.default, (w, shape))
+        v.meta["val"] = w.meta["val"].view(shape)
+        return v
+
+    gather, h = issue(0), x
+    for k in range(depth):
+        block = f"L['self'].blocks.{k}"
+        h = _node(g, aten.sin.default, (h,), block)  # work that reads no parameter
+        if not issue_after_wait:
+            following = issue(k + 1)
+        weight = wait(gather, [8, 8])
+        if issue_after_wait:
+            following = issue(k + 1)
+        h = _node(g, aten.mm.default, (h, weight), block)
+        h.meta["val"] = torch.randn(8, 8)
+        gather = following
+    head = _node(g, aten.mul.Tensor, (h, wait(gather, [8])), "L['self'].head")
+    head.meta["val"] = h.meta["val"]
+    g.output((head,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _run_prefetching_blocks(rank: int, world: int, issue_after_wait: bool) -> dict:
+    import torch.distributed as dist
+    gm = _prefetching_blocks(4, issue_after_wait, dist.group.WORLD.group_name)
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    compiled = []
+    program = regions.compile_regions(gm, inputs, lambda sub, fakes: compiled.append(sub) or make_boxed_func(
+        sub.forward))
+    gather = torch.ops._c10d_functional.all_gather_into_tensor_out.default
+    gathers_in_compiled = [sum(n.target is gather for n in sub.graph.nodes) for sub in compiled]
+    (out,) = program(list(inputs))
+    return {"regions": program.regions, "compiled regions": program.compiled_regions, "compiled": program.compiled,
+            "gathers in compiled regions": gathers_in_compiled, "right": torch.allclose(out, gm(*inputs)[0])}
+
+
+def test_prefetch_issues_leave_the_block_regions_and_only_blocks_are_compiled():
+    """A gather fed by shard inputs and issued before its block's first wait moves into an eager region before the
+    block, so the last block (prefetching the head's bucket, of another size) shares the middle blocks' compiled
+    region; the head and the first issue run eagerly. A gather issued after a wait stays where the schedule put
+    it (moving it up would gather two buckets at once): then the last block is a region of its own."""
+    from tests.harness import run_world
+    (hoisted,), (kept,) = (run_world(1, _run_prefetching_blocks, flag) for flag in (False, True))
+    assert hoisted["right"] and kept["right"], (hoisted, kept)
+    # the first issue with block 0's prefetch, then an issue region before each later block, 4 blocks, the head
+    assert (hoisted["regions"], hoisted["compiled regions"], hoisted["compiled"]) == (9, 4, 1), hoisted
+    assert hoisted["gathers in compiled regions"] == [0], hoisted
+    # the first issue, 4 blocks, the head; compiled: the first three blocks, the last one
+    assert (kept["regions"], kept["compiled regions"], kept["compiled"]) == (6, 4, 2), kept
+    assert kept["gathers in compiled regions"] == [1, 1], kept
+
+
+def test_a_graph_without_blocks_is_compiled_as_one_region():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    y = _node(g, torch.ops.aten.sin.default, (x,), "L['self'].inp")
+    y.meta["val"] = x.meta["val"]
+    g.output((y,))
+    compiled = []
+    program = regions.compile_regions(fx.GraphModule(torch.nn.Module(), g), [x.meta["val"]],
+                                      lambda sub, fakes: compiled.append(sub) or make_boxed_func(sub.forward))
+    assert (program.regions, program.compiled_regions, program.compiled, len(compiled)) == (1, 1, 1, 1)
+
+
 def _inductor_code_of_a_gather_in_flight(rank: int, world: int, hold: bool) -> tuple[str, bool]:
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
@@ -313,15 +407,17 @@ def test_a_user_marked_nested_compile_region_is_refused_with_the_reason():
     assert "nested_compile_region" in message and "Remove the decorator" in message, message
 
 
-def test_regional_inductor_stage3_matches_the_reference():
-    """Forced on (the small model is below 'auto''s threshold): regions, collectives in flight across cuts and the
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_regional_inductor_stage3_matches_the_reference(name):
+    """Forced on (the small model is below 'auto''s threshold): regions, collectives in flight across cuts, the
+    eager regions around the blocks (HF Llama: the rotary embedding made before the blocks and read by each) and the
     program's frees on 2 gloo ranks, against the single-process reference (this caught the in-flight input bug)."""
     from tests import workers
     from tests.harness import run_world
     from tests.test_parity import TOL, max_diff
-    ref_params, ref_losses = workers.reference("gpt", 2, steps=5)
+    ref_params, ref_losses = workers.reference(name, 2, steps=5)
     config = {"stage": 3, "backend": "inductor", "regional_compile": True}
-    for rank, res in enumerate(run_world(2, workers.parity_with_config, "gpt", config)):
+    for rank, res in enumerate(run_world(2, workers.parity_with_config, name, config)):
         assert max_diff(res["params"], ref_params) < TOL
 
 

@@ -84,10 +84,11 @@ SCHEMA: dict[str, Any] = {
                  choices=STAGES),
     "backend": Key((str,), "inductor", "graph compiler: 'inductor' (Triton on GPU, C++ on CPU) or 'eager' (FX code "
                    "as-is)", choices=("inductor", "eager")),
-    "regional_compile": Key((str, bool), "auto", "inductor: cut each graph where it moves to the next block (an item "
-                            "of a ModuleList) and compile every distinct region once, so compile time stays flat in "
-                            "depth; 'auto': only where regions repeat (at least twice as many regions as distinct "
-                            "ones), else one graph; false: always one inductor graph per forward/backward",
+    "regional_compile": Key((str, bool), "auto", "inductor: cut each graph into one region per block (an item of "
+                            "a ModuleList), compile every distinct block region once and run the rest (embeddings, "
+                            "head, loss, collective glue) eagerly, so compile time stays flat in depth; 'auto': "
+                            "only where block regions repeat (at least twice as many as distinct ones), else one "
+                            "graph; false: always one inductor graph per forward/backward",
                             choices=("auto", True, False)),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),

@@ -144,7 +144,8 @@ class _GraphCompile:
         self.num_fwd_outputs = 0
         self.offloaded: dict[str, int] = {}  # saved activations the forward sends to the host, by name
         self.times: dict[str, float] = {}  # seconds spent per compile phase (bench/compile_time.py reads them)
-        self.regions: dict[str, tuple[int, int]] = {}  # graph kind -> (regions, distinct regions compiled)
+        # graph kind -> (regions, regions running compiled code, distinct regions compiled)
+        self.regions: dict[str, tuple[int, int, int]] = {}
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -350,7 +351,7 @@ class _GraphCompile:
         with self.timed(f"{self.cfg.backend} {kind}"):
             compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind, self.cfg.regional_compile)
         if hasattr(compiled, "regions"):
-            self.regions[kind] = (compiled.regions, compiled.compiled)
+            self.regions[kind] = (compiled.regions, compiled.compiled_regions, compiled.compiled)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
         reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]

@@ -1,12 +1,14 @@
-"""Regional inductor compile: a transformed graph is cut into regions where it reaches the next repeated module
-(a transformer block), and each distinct region is compiled once.
+"""Regional inductor compile: a transformed graph is cut into one region per repeated module (a transformer block),
+each distinct block region is compiled once, and the rest runs eagerly.
 
 The passes schedule the whole model as one graph (prefetch and bucketing cross block boundaries), but inductor's
 code generation grows with graph size. A transformer's graph repeats block after block: the same ops on the same
 shapes, fed by other parameters, with the collectives the passes placed among them. Each region is rebuilt as a
-graph of its own with canonical names, so identical regions print the same code; a region is compiled the first
-time its (code, input layouts) appears and reused for every other occurrence. Cold compile then costs the first,
-a middle and the last block's forward and backward, at any depth.
+graph of its own with canonical names, so identical regions print the same code; a block region is compiled the
+first time its (code, input layouts) appears and reused for every other occurrence. What lies outside the blocks
+(embeddings, the final norm, head and loss, the collectives' glue between blocks) runs as its FX code, once per
+step, as FSDP2 with a per-block torch.compile runs it. Cold compile then costs block 0 and one other block, forward
+and backward, at any depth.
 
 The regions run in order from a flat list of slots; a value is dropped after its last use, as in one graph.
 """
@@ -21,36 +23,112 @@ from torch._guards import TracingContext
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from zcompile.compiler.blocks import block_of
-from zcompile.compiler.collectives import KEY
+from zcompile.compiler.collectives import KEY, c10d
 
 
 def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
-    """The graph's computing nodes in regions, in order: with `by_block`, a new region starts at each repeated module
-    (a transformer block) the nodes reach for the first time, after the first. Everything else stays in the current
-    region: the passes' collectives and copies, other modules (embeddings join the first block, the head and loss
-    the last), and nodes of a block seen before (a saved activation's transpose at the end of the forward). No cut
-    where a value that is neither a tensor nor a size (a dynamic dim's SymInt) would cross: a tuple of a
-    multi-output op. Without `by_block`, one region."""
+    """The graph's computing nodes in regions, in order (`block_regions` without the flags)."""
+    return block_regions(graph, by_block)[0]
+
+
+def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.Node]], list[bool]]:
+    """The graph's computing nodes in regions, in order, and for each whether it holds a block's work. With
+    `by_block`, a new region starts at each repeated module (a transformer block) the nodes reach for the first
+    time, and where they leave the blocks for another module (the final norm, head and loss; the embeddings'
+    backward), so a block's region holds that block's work. The passes' collectives and copies stay in the current
+    region, except what would make one block's region differ from the next: module-less nodes at the end of a region
+    that read nothing it computed (the wait for the next module's bucket, its copy-out) go before the next region,
+    and so does the issue of a gather fed by the graph's inputs alone (a prefetch: the bucket's shard concatenation
+    and all-gather) placed before the region's first wait (the last block prefetches the final norm's bucket, of
+    another size). Neither changes the order of collectives and waits; the gather moves only over work that reads
+    no gathered parameter, so the overlap and the planned memory stay. Nodes of a block seen before (a saved
+    activation's transpose at the end of the forward) stay in the current region. No cut where a value that is
+    neither a tensor nor a size (a dynamic dim's SymInt) would cross: a tuple of a multi-output op. Without
+    `by_block`, one region."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    if not by_block:
+        return ([nodes], [False]) if nodes else ([], [])
     last = {n: -1 for n in nodes}
     for k, n in enumerate(nodes):
         for a in n.all_input_nodes:
             last[a] = k
     for a in graph.output_node().all_input_nodes:
         last[a] = len(nodes)
+    issue = gather_issues(nodes)
     regions: list[list[fx.Node]] = [[]]
+    hoisted: dict[int, list[fx.Node]] = {}  # region -> the glue and gather issues moved before it
+    in_block: list[bool] = [False]  # per region: it holds block work
+    waited: list[bool] = [False]  # per region: it waited on a collective so far
     live: set[fx.Node] = set()
     seen: set[str] = set()
+
+    def place(n: fx.Node) -> None:
+        if n in issue and not waited[-1]:
+            hoisted.setdefault(len(regions) - 1, []).append(n)
+        else:
+            regions[-1].append(n)
+        waited[-1] = waited[-1] or n.target is c10d.wait_tensor.default
+
     for k, n in enumerate(nodes):
         live = {x for x in live if last[x] >= k}
-        block = block_of(n) if by_block else None
-        if block and block not in seen:
-            if seen and all(isinstance(x.meta.get("val"), (torch.Tensor, torch.SymInt)) for x in live):
-                regions.append([])
+        block = block_of(n)
+        cut = (block and block not in seen) or (block == "" and in_block[-1])
+        if cut and regions[-1] and all(isinstance(x.meta.get("val"), (torch.Tensor, torch.SymInt)) for x in live):
+            carried = _trailing_glue(regions[-1])
+            regions[-1] = [x for x in regions[-1] if x not in carried]
+            regions.append([])
+            in_block.append(False)
+            waited.append(False)
+            hoisted[len(regions) - 1] = carried
+        if block:
             seen.add(block)
-        regions[-1].append(n)
+            in_block[-1] = True
+        place(n)
         live.add(n)
-    return [r for r in regions if r]
+    order = {n: k for k, n in enumerate(nodes)}
+    out: list[tuple[list[fx.Node], bool]] = []
+    for r, nodes_r in enumerate(regions):
+        moved = sorted(hoisted.get(r, []), key=order.__getitem__)
+        if in_block[r]:
+            out.append((moved, False))  # reads nothing region r computes: it can run before it
+        else:
+            nodes_r = sorted(nodes_r + moved, key=order.__getitem__)
+        out.append((nodes_r, in_block[r]))
+    out = [(r, b) for r, b in out if r]
+    return [r for r, _ in out], [b for _, b in out]
+
+
+def _trailing_glue(region: list[fx.Node]) -> list[fx.Node]:
+    """The module-less nodes at the end of `region` that read nothing else the region computed (the wait for the
+    next module's bucket, its copy-out): they go with the region that follows, which reads them, so the block
+    before does not differ from the others by them."""
+    inside, carried = set(region), []
+    for n in reversed(region):
+        if block_of(n) is not None:
+            break
+        carried.append(n)
+    carried.reverse()
+    moved: set[fx.Node] = set()
+    for n in carried:
+        if all(a not in inside or a in moved for a in n.all_input_nodes):
+            moved.add(n)
+    return [n for n in carried if n in moved]
+
+
+def gather_issues(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The collectives (not their waits) that the passes fed from the graph's inputs alone, with the module-less
+    nodes computing their inputs (a bucket's shard concatenation, its output buffer): work that can run as early
+    as the graph starts."""
+    from_inputs: set[fx.Node] = set()
+    for n in nodes:
+        if (block_of(n) is None and n.op == "call_function" and n.target is not c10d.wait_tensor.default
+                and all(a.op in ("placeholder", "get_attr") or a in from_inputs for a in n.all_input_nodes)):
+            from_inputs.add(n)
+    issue: set[fx.Node] = set()
+    for n in reversed(nodes):
+        if n in from_inputs and (KEY in n.meta or any(u in issue for u in n.users)):
+            issue.add(n)
+    return issue
 
 
 def constants(graph: fx.Graph) -> set[fx.Node]:
@@ -140,10 +218,12 @@ class RegionProgram:
     """Runs the compiled regions in order over a list of slots: the graph's inputs first, then every value a region
     hands to a later one. Boxed calling convention (takes a list, clears it)."""
 
-    def __init__(self, steps: list, outputs: list, num_slots: int, regions: int, compiled: int):
+    def __init__(self, steps: list, outputs: list, num_slots: int, regions: int, compiled: int,
+                 compiled_regions: int):
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__ (functools.wraps)
         self.steps, self.outputs, self.num_slots = steps, outputs, num_slots
         self.regions, self.compiled = regions, compiled  # how many regions, how many distinct ones were compiled
+        self.compiled_regions = compiled_regions  # how many regions run compiled code (the others run eagerly)
 
     def __call__(self, args: list):
         env = list(args) + [None] * (self.num_slots - len(args))
@@ -159,13 +239,16 @@ class RegionProgram:
 
 def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable, min_reuse: float = 0.0,
                     by_block: bool = True) -> RegionProgram | None:
-    """Cut `gm` into regions (split), compile each distinct one with compile_one(region_gm, fake_inputs) and return
-    the program that runs them. Reports the whole graph's output strides to AOTAutograd, as one compile would.
-    None, compiling nothing, when the regions do not repeat enough: fewer than `min_reuse` regions per distinct one
-    (each compile has a fixed cost; on a shallow model one graph compiles faster)."""
+    """Cut `gm` into regions (split), compile each distinct block region with compile_one(region_gm, fake_inputs)
+    and return the program that runs them. The regions outside the blocks (embeddings, the final norm, head and
+    loss, gather issues) run eagerly, as FSDP2 + torch.compile of the blocks runs them: each is run once per step,
+    and compiling one costs as much as a block's region. Reports the whole graph's output strides to AOTAutograd,
+    as one compile would. None, compiling nothing, when the block regions do not repeat enough: fewer than
+    `min_reuse` per distinct one (each compile has a fixed cost; on a shallow model one graph compiles faster).
+    Without blocks (or `by_block` false) the graph is one region, compiled."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     slot = {n: k for k, n in enumerate(phs)}
-    regions = split(gm.graph, by_block)
+    regions, holds_block = block_regions(gm.graph, by_block)
     const = constants(gm.graph)
     out_node = gm.graph.output_node()
     (graph_outs,) = out_node.args
@@ -183,21 +266,28 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     for x, r in last_reader.items():
         if x not in kept:
             frees.setdefault(r, []).append(slot[x])
-    planned = []  # (region module, key, inputs, outputs) per region
-    for nodes, inputs in zip(regions, region_inputs):
+    compiled_here = holds_block if any(holds_block) else [True] * len(regions)
+    planned = []  # (region module, key, inputs, outputs, compiled) per region
+    for nodes, inputs, compiled in zip(regions, region_inputs, compiled_here):
         outputs = [n for n in nodes if n in last_reader or n in kept]
         sub = _region_module(gm, nodes, inputs, outputs, const)
         consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
-        planned.append((sub, (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts), inputs, outputs))
-    if len(regions) < min_reuse * len({key for _, key, _, _ in planned}):
+        planned.append((sub, (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts), inputs, outputs,
+                        compiled))
+    keys = [key for _, key, _, _, compiled in planned if compiled]
+    if len(keys) < min_reuse * len(set(keys)):
         return None
     cache: dict[tuple, Callable] = {}
     steps = []
     with _no_output_strides():
-        for r, (sub, key, inputs, outputs) in enumerate(planned):
-            if key not in cache:
-                cache[key] = compile_one(sub, [x.meta["val"] for x in inputs])
-            steps.append((cache[key], [slot[x] for x in inputs], [slot[o] for o in outputs], frees.get(r, [])))
+        for r, (sub, key, inputs, outputs, compiled) in enumerate(planned):
+            if not compiled:
+                fn = _run_eagerly(sub)
+            else:
+                if key not in cache:
+                    cache[key] = compile_one(sub, [x.meta["val"] for x in inputs])
+                fn = cache[key]
+            steps.append((fn, [slot[x] for x in inputs], [slot[o] for o in outputs], frees.get(r, [])))
     # placeholders nothing reads are dropped at once: no region frees them
     unread = [slot[p] for p in phs if p not in last_reader and p not in kept]
     if unread and steps:
@@ -207,4 +297,10 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     if tc is not None and tc.output_strides is not None:
         tc.output_strides.extend(tuple(o.meta["val"].stride()) if isinstance(o, fx.Node)
                                  and isinstance(o.meta.get("val"), torch.Tensor) else None for o in graph_outs)
-    return RegionProgram(steps, outputs, len(slot), len(regions), len(cache))
+    return RegionProgram(steps, outputs, len(slot), len(regions), len(cache), len(keys))
+
+
+def _run_eagerly(sub: fx.GraphModule) -> Callable:
+    def run(args: list):
+        return sub(*args)
+    return run
