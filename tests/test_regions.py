@@ -336,6 +336,29 @@ def test_prefetch_issues_leave_the_block_regions_and_only_blocks_are_compiled():
     assert kept["gathers in compiled regions"] == [1, 1], kept
 
 
+def test_a_block_seen_again_after_the_blocks_runs_eagerly_with_the_head():
+    """The partitioner puts some saved activations' transposes (nodes of an earlier block) after the head: they stay
+    in the head's region, which still runs eagerly (ZeRO++ and stage 2 compiled one more region before)."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    h = x
+    for b in range(4):
+        h = _node(g, aten.sin.default, (h,), f"L['self'].blocks.{b}")
+        h.meta["val"] = x.meta["val"]
+    head = _node(g, aten.cos.default, (h,), "L['self'].head")
+    saved = _node(g, aten.t.default, (x,), "L['self'].blocks.0")
+    head.meta["val"], saved.meta["val"] = x.meta["val"], x.meta["val"].t()
+    g.output((head, saved))
+    compiled = []
+    program = regions.compile_regions(fx.GraphModule(torch.nn.Module(), g), [x.meta["val"]],
+                                      lambda sub, fakes: compiled.append(sub) or make_boxed_func(sub.forward))
+    assert (program.regions, program.compiled_regions, program.compiled) == (5, 4, 1), program.__dict__
+    out = program([x.meta["val"]])
+    assert torch.equal(out[0], x.meta["val"].sin().sin().sin().sin().cos()) and torch.equal(out[1], x.meta["val"].t())
+
+
 def test_a_graph_without_blocks_is_compiled_as_one_region():
     g = fx.Graph()
     x = g.placeholder("x")

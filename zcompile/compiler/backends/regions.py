@@ -80,7 +80,7 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
             in_block.append(False)
             waited.append(False)
             hoisted[len(regions) - 1] = carried
-        if block:
+        if block and block not in seen:  # a block seen before (a saved activation's transpose) is not block work
             seen.add(block)
             in_block[-1] = True
         place(n)
