@@ -283,7 +283,10 @@ def gradient_checkpointing(rank: int | None, world: int, stage: int | None, back
                    if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor))
 
     model = build_model("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     run, jobs = (model, None) if rank is None else compiled(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # not Adam: it scales near-zero gradients' rounding up to lr
     for step in range(2):
