@@ -359,6 +359,32 @@ def test_a_block_seen_again_after_the_blocks_runs_eagerly_with_the_head():
     assert torch.equal(out[0], x.meta["val"].sin().sin().sin().sin().cos()) and torch.equal(out[1], x.meta["val"].t())
 
 
+def test_blocks_that_differ_only_in_what_they_hand_on_share_one_compile():
+    """Block 0 hands on one intermediate (as the partitioner saves block 0's first norm differently), block 1
+    another, block 2 neither: the same work, so one compiled region returns all of them and each occurrence keeps
+    what it hands on."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    h, kept = x, []
+    for b in range(3):
+        a = _node(g, aten.sin.default, (h,), f"L['self'].blocks.{b}")
+        c = _node(g, aten.cos.default, (a,), f"L['self'].blocks.{b}")
+        h = _node(g, aten.mul.Tensor, (c, 2.0), f"L['self'].blocks.{b}")
+        for n in (a, c, h):
+            n.meta["val"] = x.meta["val"]
+        kept += [a] if b == 0 else [c] if b == 1 else []
+    g.output((h, *kept))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    compiled = []
+    program = regions.compile_regions(gm, [x.meta["val"]],
+                                      lambda sub, fakes: compiled.append(sub) or make_boxed_func(sub.forward))
+    assert (program.regions, program.compiled) == (3, 1), program.__dict__
+    for got, want in zip(program([x.meta["val"]]), gm(x.meta["val"])):
+        assert torch.equal(got, want)
+
+
 def test_a_graph_without_blocks_is_compiled_as_one_region():
     g = fx.Graph()
     x = g.placeholder("x")

@@ -233,7 +233,8 @@ class RegionProgram:
             for i in frees:
                 env[i] = None
             for i, v in zip(outs, fn(a)):
-                env[i] = v
+                if i is not None:  # None: a value another occurrence of this region hands on, not this one
+                    env[i] = v
         return [env[o] if isinstance(o, int) else o[0] for o in self.outputs]
 
 
@@ -267,9 +268,10 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
         if x not in kept:
             frees.setdefault(r, []).append(slot[x])
     compiled_here = holds_block if any(holds_block) else [True] * len(regions)
-    planned = []  # (region module, key, inputs, outputs, compiled) per region
-    for nodes, inputs, compiled in zip(regions, region_inputs, compiled_here):
-        outputs = [n for n in nodes if n in last_reader or n in kept]
+    wanted = [[n for n in nodes if n in last_reader or n in kept] for nodes in regions]
+    returned = _union_outputs(gm, regions, region_inputs, wanted, compiled_here, const)
+    planned = []  # (region module, key, inputs, outputs returned, compiled) per region
+    for nodes, inputs, outputs, compiled in zip(regions, region_inputs, returned, compiled_here):
         sub = _region_module(gm, nodes, inputs, outputs, const)
         consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
         planned.append((sub, (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts), inputs, outputs,
@@ -287,7 +289,9 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
                 if key not in cache:
                     cache[key] = compile_one(sub, [x.meta["val"] for x in inputs])
                 fn = cache[key]
-            steps.append((fn, [slot[x] for x in inputs], [slot[o] for o in outputs], frees.get(r, [])))
+            mine = set(wanted[r])
+            steps.append((fn, [slot[x] for x in inputs], [slot[o] if o in mine else None for o in outputs],
+                          frees.get(r, [])))
     # placeholders nothing reads are dropped at once: no region frees them
     unread = [slot[p] for p in phs if p not in last_reader and p not in kept]
     if unread and steps:
@@ -298,6 +302,27 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
         tc.output_strides.extend(tuple(o.meta["val"].stride()) if isinstance(o, fx.Node)
                                  and isinstance(o.meta.get("val"), torch.Tensor) else None for o in graph_outs)
     return RegionProgram(steps, outputs, len(slot), len(regions), len(cache), len(keys))
+
+
+def _union_outputs(gm: fx.GraphModule, regions: list, region_inputs: list, wanted: list, compiled: list,
+                   const: set) -> list[list[fx.Node]]:
+    """The values each region returns: those later regions read (`wanted`), and for a compiled region also what any
+    region doing the same work (the same code and input layouts whatever it returns) hands on, so that one compile
+    serves them all. Block 0 differs from the others only in which of its first norm's values the partitioner
+    saves."""
+    position: dict[tuple, set[int]] = {}
+    bodies = []
+    for nodes, inputs, outputs, comp in zip(regions, region_inputs, wanted, compiled):
+        body, returned_consts = None, [o for o in outputs if o in const]  # computed here only because returned
+        computed = [n for n in nodes if n not in const or n in returned_consts]
+        if comp:
+            sub = _region_module(gm, nodes, inputs, returned_consts, const)
+            body = (sub.code, tuple(_layout(x.meta["val"]) for x in inputs))
+            at = {n: k for k, n in enumerate(computed)}
+            position.setdefault(body, set()).update(at[o] for o in outputs)
+        bodies.append((body, computed))
+    return [[computed[k] for k in sorted(position[body])] if body is not None else outputs
+            for outputs, (body, computed) in zip(wanted, bodies)]
 
 
 def _run_eagerly(sub: fx.GraphModule) -> Callable:
