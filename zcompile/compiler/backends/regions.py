@@ -7,8 +7,9 @@ shapes, fed by other parameters, with the collectives the passes placed among th
 graph of its own with canonical names, so identical regions print the same code; a block region is compiled the
 first time its (code, input layouts) appears and reused for every other occurrence. What lies outside the blocks
 (embeddings, the final norm, head and loss, the collectives' glue between blocks) runs as its FX code, once per
-step, as FSDP2 with a per-block torch.compile runs it. Cold compile then costs block 0 and one other block, forward
-and backward, at any depth.
+step, as FSDP2 with a per-block torch.compile runs it. Block regions doing the same work share one compile whatever
+each hands on to later regions. Cold compile then costs one block's forward and two blocks' backward (block 0's
+differs), at any depth.
 
 The regions run in order from a flat list of slots; a value is dropped after its last use, as in one graph.
 """
