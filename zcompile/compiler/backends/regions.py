@@ -27,11 +27,6 @@ from zcompile.compiler.blocks import block_of
 from zcompile.compiler.collectives import KEY, c10d
 
 
-def split(graph: fx.Graph, by_block: bool = True) -> list[list[fx.Node]]:
-    """The graph's computing nodes in regions, in order (`block_regions` without the flags)."""
-    return block_regions(graph, by_block)[0]
-
-
 def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.Node]], list[bool]]:
     """The graph's computing nodes in regions, in order, and for each whether it holds a block's work. With
     `by_block`, a new region starts at each repeated module (a transformer block) the nodes reach for the first
@@ -241,7 +236,7 @@ class RegionProgram:
 
 def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable, min_reuse: float = 0.0,
                     by_block: bool = True) -> RegionProgram | None:
-    """Cut `gm` into regions (split), compile each distinct block region with compile_one(region_gm, fake_inputs)
+    """Cut `gm` into regions (block_regions), compile each distinct block region with compile_one(region_gm, fakes)
     and return the program that runs them. The regions outside the blocks (embeddings, the final norm, head and
     loss, gather issues) run eagerly, as FSDP2 + torch.compile of the blocks runs them: each is run once per step,
     and compiling one costs as much as a block's region. Reports the whole graph's output strides to AOTAutograd,
