@@ -32,7 +32,8 @@ from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ["ddp", "fsdp2", "fsdp2_compile", "deepspeed_z3", "zcompile_z1", "zcompile_z2", "zcompile_z3"]
 # --systems all adds these: the scheduling passes off or retuned, ZeRO++ and offload
-SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_1mb_buckets", "zcompile_z3_no_prefetch", "zcompile_z3_no_check"]
+SCHEDULING = ["zcompile_z3_unbucketed", "zcompile_z3_1mb_buckets", "zcompile_z3_no_prefetch", "zcompile_z3_no_check",
+              "zcompile_z3_whole_graph"]
 ZEROPP = ["zcompile_z3_zeropp"]  # and this (bench/zeropp.py compares convergence and cross-node bytes)
 OFFLOAD = ["zcompile_z3_offload"]  # and this (bench/offload.py: tiers, NVMe, overlap)
 LR = 1e-3
@@ -222,6 +223,8 @@ SETUP = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_compile": setup_fsdp2_co
          "zcompile_z3_no_prefetch": _zcompile(3, prefetch=0),
          # without the per-run schedule check (one 256-byte all-gather per graph run): its cost
          "zcompile_z3_no_check": _zcompile(3, schedule_check=False),
+         # one inductor graph per forward/backward instead of compiled block regions and eager glue
+         "zcompile_z3_whole_graph": _zcompile(3, regional_compile=False),
          "zcompile_z3_zeropp": setup_zeropp,
          # ZeRO-Infinity on host memory: the state column then counts only what stays on the device
          "zcompile_z3_offload": _zcompile(3, offload={"optimizer": "cpu", "params": "cpu", "activations": "cpu"})}

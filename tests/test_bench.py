@@ -86,3 +86,12 @@ def test_compile_time_reads_cpp_and_triton_kernels_from_generated_code():
             f"triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''{triton}''', device_str='cuda')\n"
             "async_compile.wait(globals())\n")
     assert _compile_time_bench().kernel_sources(code) == ["\n" + cpp, triton]
+
+
+def test_step_profile_reports_each_system():
+    cmd = [sys.executable, "bench/step_profile.py", "--device", "cpu", "--size", "small", "--micro", "1", "--seq", "16",
+           "--systems", "zcompile_z3", "--warmup", "1", "--steps", "1", "--profiled", "1", "--rows", "3"]
+    out = subprocess.run(cmd, check=True, timeout=600, capture_output=True, text=True).stdout
+    assert "### zcompile_z3: top ops by self CPU time" in out
+    row = next(line for line in out.splitlines() if line.startswith("| zcompile_z3 |")).split("|")
+    assert float(row[2]) > 0 and float(row[3]) > 100  # median step (ms), CPU ops per step

@@ -319,3 +319,20 @@ def test_prefetch_zero_leaves_the_graph_alone():
     gm = shard_params.run(trace(_linear_fw, (4, 4), (3, 4)), pctx)
     before = [n.name for n in gm.graph.nodes]
     assert [n.name for n in prefetch.run(gm, pctx).graph.nodes] == before
+
+
+def test_offload_grads_moves_the_reduced_shard_not_the_full_gradient():
+    """The split pipeline in its order: a host shard's gradient is reduce-scattered on the device (NCCL has no host
+    path) and only its 1/world shard is copied to the host, as the backward's output."""
+    from zcompile.compiler.passes import run_phase
+    cfg = {"stage": 3, "offload": {"params": "cpu", "optimizer": "cpu"}}
+    pctx = context(cfg, "backward", {0: (6, 4), 1: (6, 6)}, 3)  # device "meta": not the host
+    gm = run_phase("split", _bw_graph(), pctx)
+    out = list(gm.graph.output_node().args[0])
+    for k, (lo, hi) in ((0, (0, 12)), (1, (12, 30))):  # rank 0's rows of each: 3 of 6 rows
+        assert out[k].target is torch.ops.zcompile.to_host.default and out[k].meta["zc_tier"] == "cpu"
+        piece = out[k].args[0]
+        assert piece.target is torch.ops.aten.slice.Tensor and piece.args[2:] == (lo, hi)
+        wait = piece.args[0]
+        assert collectives.is_op(wait.args[0], "reduce_scatter")  # the scatter's output, not its input
+    assert ops(gm).count("to_host") == 2

@@ -523,3 +523,22 @@ def test_the_warmup_starts_once_and_only_for_cpu_compiles(monkeypatch):
     assert warmup._started is first
     warmup.wait()
     assert ran == [1] and not first.is_alive()
+
+
+def test_an_eager_region_drops_what_inductor_needed_to_hold_collective_inputs():
+    """hold_collective_inputs' force_stride_order and held_until are for inductor's buffer reuse; run eagerly the
+    first copied its input on every call (a copy of each gathered bucket per step)."""
+    from torch._inductor import inductor_prims
+
+    from zcompile.compiler.backends import inductor  # noqa: F401  (zcompile::held_until)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    held = graph.call_function(inductor_prims.force_stride_order, (x, [1]))
+    out = graph.call_function(torch.ops.aten.mul.Tensor, (held, 2.0))
+    graph.call_function(torch.ops.zcompile.held_until.default, (held, out))
+    graph.output((held, out))
+    sub = fx.GraphModule(nn.Module(), graph)
+    t = torch.arange(4.0)
+    first, doubled = regions._run_eagerly(sub)([t])
+    assert first is t and torch.equal(doubled, 2 * t)  # no copy
+    assert not any(n.op == "call_function" and n.target is not torch.ops.aten.mul.Tensor for n in sub.graph.nodes)

@@ -381,16 +381,22 @@ def gradient_shards(rank: int, world: int, name: str, config: dict, dtype: str |
 
 
 def offload_run(rank: int, world: int, name: str, config: dict, steps: int, accum: int = 1,
-                optimizer: str = "adamw") -> dict:
+                optimizer: str = "adamw", clip: float | None = None, eager_forward: bool = False) -> dict:
     """Train; return the consolidated parameters, the losses, the bytes moved between tiers in the last step, the
-    memory report and whether NVMe files were written with O_DIRECT."""
-    model, opt, losses = train(rank, world, name, config, steps - 1, accum=accum, optimizer=optimizer)
+    memory report, whether NVMe files were written with O_DIRECT and (`eager_forward`) the loss of an eager forward
+    of the trained module (outside torch.compile)."""
+    model, opt, losses = train(rank, world, name, config, steps - 1, accum=accum, optimizer=optimizer, clip=clip)
     zcompile.reset_offload_traffic()
     _, _, last = train(rank, world, name, config, 1, accum=accum, model=model, opt=opt, start=steps - 1,
-                       optimizer=optimizer)
+                       optimizer=optimizer, clip=clip)
     zps = [p._zc for p in model.parameters()]
+    eager = None
+    if eager_forward:
+        device = zcompile.runtime.dist_context.DistContext.current().device
+        with torch.no_grad():
+            eager = loss_of(model._orig_mod, name, rank_slice(global_batch(0, world), rank, world).to(device)).item()
     return {"params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}, "losses": losses + last,
-            "tiers": zcompile.offload_traffic(), "report": zcompile.memory_report(model, opt),
+            "tiers": zcompile.offload_traffic(), "report": zcompile.memory_report(model, opt), "eager_loss": eager,
             "direct": [zp.nvme.used_direct for zp in zps if zp.nvme is not None][:1]}
 
 

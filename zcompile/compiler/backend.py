@@ -360,6 +360,10 @@ class _GraphCompile:
         check = self.run_check(kind)
         watch_loss = kind == "forward" and self.cfg.nonfinite != "off"
         whole = [zp for zp in zps if zp.keeps_full] if kind != "backward" else []
+        # gradient shards copied to pinned host memory without blocking (offload_grads): done before autograd reads
+        host_grads = self.ctx.device.type == "cuda" and any(
+            isinstance(o, fx.Node) and o.target is torch.ops.zcompile.to_host.default
+            for o in gm.graph.output_node().args[0])
 
         def run_graph(args):
             stale = [zp for zp in whole if zp.stale()]
@@ -377,6 +381,8 @@ class _GraphCompile:
                 out = memory_trace.run_measured(compiled, args, self.graph_id, kind, planned)
             else:
                 out = compiled(args)
+            if host_grads:
+                torch.cuda.current_stream(self.ctx.device).synchronize()
             if watch_loss:
                 nonfinite.note_forward(zps, out[:self.num_fwd_outputs or len(out)])
             return out

@@ -46,6 +46,7 @@ CONTRACTS: dict[str, Contract] = {
     "bucket_collectives": _c("split", {"buckets"}, {"grad_reduction"}, writes={"members"}, reads={"tile"}),
     "quantize_gradients": _c("split", {"quantized_reductions"}, {"grad_reduction"}, reads={"members"},
                              enabled_by="quantize_gradients"),
+    "offload_grads": _c("split", {"grad_offload"}, {"grad_reduction"}, enabled_by="offload.params"),
     "offload_activations": _c("split", {"activation_offload"}, enabled_by="offload.activations"),
     "prefetch": _c("split", {"prefetch"}, {"param_shards"}),
 }

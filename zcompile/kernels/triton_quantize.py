@@ -127,5 +127,6 @@ def dequantize_sum(packed: torch.Tensor, scale: torch.Tensor, block: int, n: int
     packed, scale = packed.contiguous(), scale.contiguous()
     out = torch.empty(n, dtype=torch.float32, device=packed.device)
     _dequantize_sum[_grid(n, block)](packed, scale, out, n, packed.shape[0], packed.shape[1], scale.shape[1],
-                                     BLOCK=block, BLOCK_P2=triton.next_power_of_2(block))
+                                     BLOCK=block, BLOCK_P2=triton.next_power_of_2(block),
+                                     enable_fp_fusion=False)  # acc + v * s as two roundings, like the reference
     return out

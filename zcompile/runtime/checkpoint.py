@@ -325,9 +325,10 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
         elif zp.keeps_full:
             value = zp.full_view().clone()
         else:
-            flat = torch.empty(zp.padded_numel, dtype=zp.dtype, device=zp.shard.device)
+            # on the group's device: a host-offloaded shard under NCCL is gathered through the GPU
+            flat = torch.empty(zp.padded_numel, dtype=zp.dtype, device=ctx.device)
             all_gather_flat(flat, zp.values().to(flat.device), zp.group)
-            value = flat[: zp.numel].view(zp.shape).clone()
+            value = flat[: zp.numel].view(zp.shape).to(zp.shard.device, copy=True)
         out[name] = value
     # Tied parameters appear once in named_parameters(); state_dict() lists every name they are reachable under.
     for name, t in _module(model).state_dict(keep_vars=True).items():

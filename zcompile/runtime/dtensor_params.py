@@ -116,8 +116,10 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
                 done[id(p)] = zp.dtensor if zp.dtensor is not None else make_dtensor(zp, p.requires_grad, ctx, timeout_s)
                 p._zc_dtensor = done[id(p)]  # an optimizer built before this still holds p: adopt_optimizer maps it
             module._parameters[name] = done[id(p)]
-            _OWNED.setdefault(module, {})[name] = done[id(p)]._zc
+            zp = _OWNED.setdefault(module, {})[name] = done[id(p)]._zc
             names.append(name)
+            if zp.standin_device != done[id(p)].device:  # a host-offloaded shard of a parameter computed on a GPU
+                module.__dict__.setdefault("_zc_compute_device", {})[name] = zp.standin_device
         if names:
             _with_properties(module, names)
     return len(done)
@@ -137,6 +139,7 @@ def _whole(p: DTensor) -> nn.Parameter:
 def _with_properties(module: nn.Module, names: list[str]) -> None:
     if "_zc_instance" not in module.__dict__:
         module._zc_instance = next(_INSTANCES)
+    module.__dict__.setdefault("_zc_compute_device", {})
     cls = type(module)
     have = getattr(cls, "_zc_param_names", frozenset())
     want = have | frozenset(names)
@@ -164,6 +167,9 @@ def _getter(name: str):
         if self._zc_instance < 0:  # never: reading it makes dynamo guard on it (see _INSTANCES)
             raise AssertionError
         full = p.redistribute(p.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        device = self._zc_compute_device.get(name)
+        if device is not None:  # gathered on the host mesh (offload.params: cpu): computed where the model runs
+            full = full.to(device)
         if not torch.compiler.is_compiling():  # eager: the reduce-scatter sums; average like the compiled graphs
             full = _MeanGrad.apply(full, p.device_mesh.size())
         return full

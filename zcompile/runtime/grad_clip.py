@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zcompile.runtime import shard_store
+from zcompile.runtime.dist_context import DistContext
 
 
 def _grads(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
@@ -40,16 +41,18 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: fl
     """
     params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
     sharded, replicated, group = _grads(params)
-    device = (sharded + replicated)[0].device if sharded or replicated else torch.device("cpu")
+    # summed on the group's device: host-offloaded shards' gradients are on the host, NCCL reduces GPU tensors
+    device = DistContext.current().device if group is not None else (
+        (sharded + replicated)[0].device if sharded or replicated else torch.device("cpu"))
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in sharded:
-        sq += g.detach().float().pow(2).sum()
+        sq += g.detach().float().pow(2).sum().to(device)
     if group is not None:
         dist.all_reduce(sq, group=group)
     for g in replicated:
-        sq += g.detach().float().pow(2).sum()
+        sq += g.detach().float().pow(2).sum().to(device)
     norm = sq.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in sharded + replicated:
-        g.detach().mul_(coef.to(g.dtype))
+        g.detach().mul_(coef.to(g.device, g.dtype))
     return norm

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from zcompile.errors import NonFiniteGradients
+from zcompile.runtime.dist_context import DistContext
 
 
 def note_forward(params, outputs) -> None:
@@ -36,11 +37,11 @@ def check(optimizer, zps: list) -> None:
     step = optimizer._zc_step = getattr(optimizer, "_zc_step", 0) + 1
     zp0 = zps[0]
     grads = [g for zp in zps if (g := zp.gradient()) is not None and g.numel()]  # a rank may own no rows
-    device = next(t.device for t in (zp0.shard, zp0.full, zp0.param) if t is not None)
+    device = DistContext.current().device  # the group's: a host-offloaded shard's gradient is on the host
     flags = torch.zeros(2 * zp0.world, dtype=torch.int32, device=device)
     if grads:
         norms = torch._foreach_norm([g.detach() for g in grads], float("inf"))
-        flags[zp0.rank] = (~torch.isfinite(torch.stack(norms)).all()).to(torch.int32)
+        flags[zp0.rank] = (~torch.isfinite(torch.stack([n.to(device) for n in norms])).all()).to(torch.int32)
     losses = [zp.loss_nonfinite for zp in zps if zp.loss_nonfinite is not None]
     if losses:
         flags[zp0.world + zp0.rank] = torch.stack(losses).any().to(torch.int32)

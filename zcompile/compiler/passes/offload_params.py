@@ -5,8 +5,8 @@ For each stage-3 parameter whose shard is in the "cpu" tier, the graph copies th
 shard is read from its file (`zcompile::read_shard`; with `offload.overlap` the engine has been reading the graph's
 files ahead, in this order, since the graph started). The placeholder is marked host-resident (`zc_tier`), so the
 planner does not count it as device memory: the device copy lives from the reload to the gather's copy-in.
-bucket_collectives and prefetch move the reload up together with its gather. On a GPU the backward also sends each
-such shard's reduced gradient to the host (`zcompile::to_host`), where the optimizer steps it.
+bucket_collectives and prefetch move the reload up together with its gather. The reduced gradients go back to the
+host in pass offload_grads.
 """
 from __future__ import annotations
 
@@ -16,20 +16,6 @@ import torch.fx as fx
 from zcompile.runtime import offload_engine  # noqa: F401  (registers the zcompile:: ops)
 from zcompile.compiler.passes import placement
 from zcompile.config import Tier
-
-
-def _gradients_to_host(gm: fx.GraphModule, pctx) -> None:
-    """A host shard's gradient must be a host tensor (autograd accumulates it into the shard's .grad)."""
-    out = gm.graph.output_node()
-    grads = list(out.args[0])
-    for i, zp in pctx.params.items():
-        if zp.param_tier != Tier.DEVICE and not zp.keeps_full and i < len(grads) and grads[i] is not None:
-            with gm.graph.inserting_before(out):
-                host = gm.graph.call_function(torch.ops.zcompile.to_host.default, (grads[i],))
-            host.meta["zc_tier"] = "cpu"
-            host.meta["zc_note"] = f"gradient shard of param {list(zp.shape)} to the host, where it is stepped"
-            grads[i] = host
-    out.args = (type(out.args[0])(grads),)
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
@@ -53,8 +39,6 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         reload.meta["zc_note"] = (f"reload shard of param {list(zp.shape)} from {zp.param_tier} "
                                   f"({zp.shard_numel * zp.dtype.itemsize} B) for its all-gather")
         moved[zp.param_tier] += 1
-    if pctx.kind == "backward" and device.type != "cpu":
-        _gradients_to_host(gm, pctx)
     if any(moved.values()):
         gm.meta.setdefault("zc_notes", []).append(
             f"offload_params: {moved['cpu']} shard(s) reloaded from cpu, {moved['nvme']} read from nvme")
