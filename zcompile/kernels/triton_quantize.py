@@ -104,12 +104,13 @@ def quantize(x: torch.Tensor, block: int, qmax: int, pack: bool) -> tuple[torch.
     scale = torch.empty(_grid(n, block)[0], dtype=torch.float32, device=x.device)
     if pack:
         out = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
+        # no FMA contraction of x * inv + 0.5: the reference rounds the product first (bf16 ties differed on an H100)
         _quantize_int4[_grid(n, block)](x, out, scale, n, BLOCK=block, HALF_P2=triton.next_power_of_2(block // 2),
-                                        QMAX=qmax)
+                                        QMAX=qmax, enable_fp_fusion=False)
     else:
         out = torch.empty(n, dtype=torch.int8, device=x.device)
         _quantize_int8[_grid(n, block)](x, out, scale, n, BLOCK=block, BLOCK_P2=triton.next_power_of_2(block),
-                                        QMAX=qmax)
+                                        QMAX=qmax, enable_fp_fusion=False)
     return out, scale
 
 
