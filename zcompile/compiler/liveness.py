@@ -79,7 +79,8 @@ def unbounded_sizes(gm: fx.GraphModule) -> dict[str, int]:
                     continue
                 sources = env.var_to_sources.get(sym) or []
                 name = sources[0].name if sources else str(sym)
-                out[name() if callable(name) else name] = int(env.var_to_val.get(sym, 0))  # method or property
+                hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # renamed
+                out[name() if callable(name) else name] = int(hints.get(sym, 0))  # method or property
     return out
 
 
