@@ -157,7 +157,8 @@ def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: s
     full = zcompile.full_state_dict(model)
     # A fresh process state: other initial weights and RNG state, new compile, then resume from the checkpoint.
     torch._dynamo.reset()
-    fresh = torch.compile(build_model(name, seed=123), backend="zero", options={"config": config})
+    device = zcompile.runtime.dist_context.DistContext.current().device
+    fresh = torch.compile(build_model(name, seed=123).to(device), backend="zero", options={"config": config})
     fresh_opt = (zcompile.CPUAdam(fresh.parameters(), lr=LR, eps=EPS, chunk_mb=0.05) if optimizer == "cpu_adam"
                  else torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS))
     extra = zcompile.load_checkpoint(directory, fresh, fresh_opt, config=config if extra_config else None)
