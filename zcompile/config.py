@@ -90,6 +90,9 @@ SCHEMA: dict[str, Any] = {
                             "only where block regions repeat (at least twice as many as distinct ones), else one "
                             "graph; false: always one inductor graph per forward/backward",
                             choices=("auto", True, False)),
+    "trace_blocks_once": Key((bool,), True, "dynamo traces one item of each repeated block (a ModuleList of one "
+                             "class) and stamps it out for the others (torch.compiler.nested_compile_region, then "
+                             "inlined for the passes): dynamo's time stops growing with depth; torch >= 2.13"),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
@@ -216,6 +219,7 @@ class Config:
     stage: Stage = Stage(SCHEMA["stage"].default)
     backend: str = SCHEMA["backend"].default
     regional_compile: str | bool = SCHEMA["regional_compile"].default
+    trace_blocks_once: bool = SCHEMA["trace_blocks_once"].default
     mixed_precision: MixedPrecision = MixedPrecision()
     dump: str | None = SCHEMA["dump"].default
     pipeline: tuple[str, ...] | None = SCHEMA["pipeline"].default
@@ -416,7 +420,8 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
         pipeline = tuple(pipeline)
     qw, qg, tiling = (None if v[k] is None else cls(**v[k]) for k, cls in (
         ("quantize_weights", QuantizeWeights), ("quantize_gradients", QuantizeGradients), ("tiling", Tiling)))
-    cfg = Config(stage=stage, backend=v["backend"], regional_compile=v["regional_compile"], mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
+    cfg = Config(stage=stage, backend=v["backend"], regional_compile=v["regional_compile"],
+                 trace_blocks_once=v["trace_blocks_once"], mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
                  schedule_check=v["schedule_check"], collective_timeout_s=float(v["collective_timeout_s"]),
                  bucket_mb=float(v["bucket_mb"]), prefetch=v["prefetch"],
                  # the two sizes as given: a memory_budget fraction is resolved against the device later

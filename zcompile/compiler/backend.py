@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
+from zcompile.compiler import trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
@@ -459,7 +460,8 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     if cfg.backend == "inductor":
         warmup.start(ctx.device)  # inductor's one-time ISA probe, beside the tracing and passes that come first
     set_group_timeout(ctx, cfg.collective_timeout_s)
-    _refuse_nested_regions(gm)  # before sharding: with DTensor parameters torch 2.11's dynamo fails on them itself
+    if not dtensor_params.trace_once_supported():
+        _refuse_nested_regions(gm)  # before sharding: with DTensor parameters torch 2.11's dynamo fails on them itself
     if cfg.stage >= Stage.OPTIMIZER:
         _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
     job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=True)
@@ -485,7 +487,10 @@ def dry_backend(cfg: zconfig.Config, ctx: DistContext, jobs: list):
 def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx: DistContext, commit: bool):
     """One dynamo graph through the passes and AOTAutograd: (its _GraphCompile, the function dynamo calls)."""
     example_inputs = list(example_inputs)
-    _refuse_nested_regions(gm)
+    if not dtensor_params.trace_once_supported():
+        _refuse_nested_regions(gm)
+    if trace_blocks_once.inline(gm):
+        trace_blocks_once.forget_reuse()
     example_inputs, dparams, dropped = dtensor_params.unwrap_graph(gm, example_inputs)
     is_param = [isinstance(x, nn.Parameter) or i in dparams for i, x in enumerate(example_inputs)]
     identity = schedule_check.graph_identity(gm, example_inputs, is_param, cfg)
@@ -583,6 +588,9 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
         roots[id(root)] = root
     count = sum(dtensor_params.shard_module(root, functools.partial(shard_store.register_for, cfg, ctx), ctx,
                                             cfg.collective_timeout_s) for root in roots.values())
+    if count and cfg.trace_blocks_once and dtensor_params.trace_once_supported():
+        for root in roots.values():
+            dtensor_params.mark_blocks(root)
     if count:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()

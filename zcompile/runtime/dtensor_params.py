@@ -35,7 +35,9 @@ from zcompile.config import Stage, Tier
 _MESHES: dict = {}  # cache: (group name, device type) -> DeviceMesh over that group
 _CLASSES: dict = {}  # cache: (module class, parameter names) -> its subclass with parameter properties
 _forward = threading.local()  # depth of eager forwards of modules holding DTensor parameters
-_OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {parameter name: its ShardedParam}
+# module -> {parameter name: weakref to its ShardedParam}. Weak both ways: a module in a reference cycle (dynamo's
+# tracer state can hold one until the next garbage collection) must not keep its shards alive one collection longer.
+_OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # A graph reads the storage of the parameters it was compiled for, not the DTensors dynamo passes it, so it must not
 # be reused for another module instance of the same class (a second model, a deep copy), which dynamo's guards on
 # types and tensor metadata allow: each module holding DTensor parameters carries its own number, which the
@@ -93,8 +95,10 @@ def shard_parameters(model: nn.Module, config) -> nn.Module:
     cfg = zconfig.from_options({"config": config})
     ctx = dist_context.DistContext.current()
     if cfg.stage >= Stage.OPTIMIZER:
-        shard_module(getattr(model, "_orig_mod", model), partial(shard_store.register_for, cfg, ctx), ctx,
-                     cfg.collective_timeout_s)
+        root = getattr(model, "_orig_mod", model)
+        shard_module(root, partial(shard_store.register_for, cfg, ctx), ctx, cfg.collective_timeout_s)
+        if cfg.trace_blocks_once and trace_once_supported():
+            mark_blocks(root)
     return model
 
 
@@ -116,13 +120,19 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
                 done[id(p)] = zp.dtensor if zp.dtensor is not None else make_dtensor(zp, p.requires_grad, ctx, timeout_s)
                 p._zc_dtensor = done[id(p)]  # an optimizer built before this still holds p: adopt_optimizer maps it
             module._parameters[name] = done[id(p)]
-            zp = _OWNED.setdefault(module, {})[name] = done[id(p)]._zc
+            zp = done[id(p)]._zc
+            _OWNED.setdefault(module, {})[name] = weakref.ref(zp)
             names.append(name)
             if zp.standin_device != done[id(p)].device:  # a host-offloaded shard of a parameter computed on a GPU
                 module.__dict__.setdefault("_zc_compute_device", {})[name] = zp.standin_device
         if names:
             _with_properties(module, names)
     return len(done)
+
+
+def owned(module: nn.Module) -> dict:
+    """{parameter name: ShardedParam} of the parameters zcompile sharded in `module`."""
+    return {name: zp for name, ref in _OWNED.get(module, {}).items() if (zp := ref()) is not None}
 
 
 def _copied(module: nn.Module, name: str) -> bool:
@@ -150,6 +160,7 @@ def _with_properties(module: nn.Module, names: list[str]) -> None:
     if key not in _CLASSES:
         _CLASSES[key] = type(base.__name__, (base,), {**{n: property(_getter(n)) for n in want},
                                                       "_zc_param_names": want, "_zc_base": base,
+                                                      "_zc_in_region": False,
                                                       "_apply": _apply, "_load_from_state_dict": _load_from_state_dict,
                                                       "__deepcopy__": _deepcopy, "__reduce_ex__": _no_pickle,
                                                       "__module__": base.__module__})
@@ -164,7 +175,8 @@ def _getter(name: str):
         p = self._parameters[name]
         if not isinstance(p, DTensor) or not (torch.compiler.is_compiling() or getattr(_forward, "depth", 0)):
             return p
-        if self._zc_instance < 0:  # never: reading it makes dynamo guard on it (see _INSTANCES)
+        # never true: reading it makes dynamo guard on it (see _INSTANCES); a marked block reads it outside
+        if not self._zc_in_region and self._zc_instance < 0:
             raise AssertionError
         full = p.redistribute(p.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
         device = self._zc_compute_device.get(name)
@@ -174,6 +186,22 @@ def _getter(name: str):
             full = _MeanGrad.apply(full, p.device_mesh.size())
         return full
     return get
+
+
+def hook_forward_of(block: nn.Module, members) -> None:
+    """The eager-forward hooks of `members` (modules holding DTensor parameters) move to `block`, which holds them:
+    a forward of the block then gathers their parameters, as FSDP2's hooks on a sharded block do. (Dynamo guards
+    on each module's hook handles, which differ per module: inside a region traced once they would fail its reuse
+    for every other block, see compiler/trace_blocks_once.py.)"""
+    for m in members:
+        ours = [k for k, h in m._forward_pre_hooks.items() if h is _enter_forward]
+        ours += [k for k, h in m._forward_hooks.items() if h is _leave_forward]
+        for k in ours:
+            for hooks in (m._forward_pre_hooks, m._forward_hooks, m._forward_hooks_always_called):
+                hooks.pop(k, None)
+    if _enter_forward not in block._forward_pre_hooks.values():
+        block.register_forward_pre_hook(_enter_forward)
+        block.register_forward_hook(_leave_forward, always_call=True)
 
 
 def _enter_forward(module, args):
@@ -210,7 +238,7 @@ def _apply(self, fn, recurse=True):
 
 def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                           error_msgs):
-    for name, zp in _OWNED.get(self, {}).items():  # a whole (unsharded) tensor per rank: this rank takes its rows
+    for name, zp in owned(self).items():  # a whole (unsharded) tensor per rank: this rank takes its rows
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and tuple(value.shape) == zp.shape:
             rows = zp.as_rows(value.detach().reshape(-1)[zp.lo:]).to(zp.local_rows().device)
@@ -250,7 +278,7 @@ def _no_pickle(self, protocol):
 
 
 def _reattach(module: nn.Module, what: str) -> None:
-    for name, zp in _OWNED.get(module, {}).items():
+    for name, zp in owned(module).items():
         p = module._parameters.get(name)
         in_storage = isinstance(p, DTensor) and p._local_tensor.data_ptr() == zp.local_rows().data_ptr()
         if p is None or (p is zp.dtensor and getattr(p, "_zc", None) is zp and in_storage):
@@ -287,6 +315,92 @@ def _mismatch(t: torch.Tensor, zp: shard_store.ShardedParam) -> str | None:
     if tuple(t.placements) != (Shard(0),) or t.device_mesh != zp.mesh:
         return f"placed {tuple(t.placements)} over {t.device_mesh}"
     return None
+
+
+# -- the module side: repeated blocks traced once (compiler/trace_blocks_once.py inlines them again).
+# What reads a per-instance constant inside a nested compile region fails dynamo's reuse for every other block: the
+# parameter properties guard on `_zc_instance` and dynamo guards on each module's hook handles, so inside a marked
+# block the properties skip the instance (the block's outer forward reads the instances of the modules it holds, in
+# the frame that calls the region) and the eager-forward hooks move to the block (hook_forward_of).
+
+_BLOCK_CLASSES: dict = {}  # cache: a block class -> its subclass whose forward calls it as a nested compile region
+# Dynamo traces a region again for each block whose guards differ from every trace so far (a shape, a flag, an
+# input it cannot compare) and by default fails past 8 such traces of one function; more only cost time.
+MAX_TRACES = 1 << 30
+
+
+def trace_once_supported() -> bool:
+    """torch 2.11's dynamo fails on DTensor parameters inside a nested compile region; 2.13's traces them."""
+    return hasattr(torch.compiler, "nested_compile_region") and tuple(
+        int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def repeated_blocks(root: nn.Module) -> list[nn.Module]:
+    """The items of the model's ModuleLists/Sequentials that repeat a class at least twice and hold parameters."""
+    found = []
+    for module in root.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        items = list(module.children())
+        for item in items:
+            same = sum(type(other) is type(item) for other in items)
+            composite = any(True for _ in item.children())  # a block, not the Linears of an MLP's Sequential
+            if same >= 2 and composite and any(True for _ in item.parameters()) and item not in found:
+                found.append(item)
+    return [b for b in found if not any(b is not o and _contains(o, b) for o in found)]  # outermost only
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def mark_blocks(root: nn.Module) -> int:
+    """Mark the repeated blocks of `root` for tracing once, after shard_module gave their modules parameter
+    properties; again after it sharded more of them (adapters added later). Returns how many blocks are marked.
+    A block gets a subclass (one per class) whose forward calls the class's own as a nested compile region."""
+    count = 0
+    for block in repeated_blocks(root):
+        members = {path: m for path, m in block.named_modules() if getattr(type(m), "_zc_param_names", None)}
+        if not members:
+            continue
+        for m in members.values():
+            m._zc_in_region = True
+        hook_forward_of(block, members.values())
+        # by path: a deep copy of the block (an EMA model) reads its own modules
+        block._zc_members = tuple(tuple(path.split(".")) if path else () for path in members)
+        if not getattr(type(block), "_zc_marked", False):
+            block.__class__ = _marked_class(type(block))
+        count += 1
+    return count
+
+
+def _marked_class(cls: type) -> type:
+    if cls not in _BLOCK_CLASSES:
+        forward = cls.forward
+        region = torch.compiler.nested_compile_region(forward)
+        forward.__marked_compile_region_max_reuse_entries__ = MAX_TRACES
+        _BLOCK_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "forward": _outer_forward, "_zc_region": region, "_zc_marked": True, "__reduce_ex__": _no_pickle_block,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _BLOCK_CLASSES[cls]
+
+
+def _outer_forward(self, *args, **kwargs):
+    for path in self._zc_members:  # the instances of the modules inside, read outside the region (see above)
+        m = self
+        for name in path:
+            m = getattr(m, name)
+        if m._zc_instance < 0:
+            raise AssertionError
+    return type(self)._zc_region(self, *args, **kwargs)
+
+
+def _no_pickle_block(self, protocol):
+    raise ZeroError(f"cannot pickle {type(self).__qualname__} (torch.save(model), pickle or copy.copy of a module): "
+                    "zcompile sharded the parameters of its modules into DTensors of this process group. Save "
+                    "model.state_dict() instead (each rank its DTensor shards, as with FSDP2), "
+                    "zcompile.full_state_dict(model) for whole tensors, zcompile.save_checkpoint or "
+                    "torch.distributed.checkpoint; copy.deepcopy(model) works")
 
 
 # -- the graph side

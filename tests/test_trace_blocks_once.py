@@ -1,0 +1,165 @@
+"""Dynamo traces each repeated block once (dtensor_params.mark_blocks, compiler/trace_blocks_once.py): the inlined
+graph is the one dynamo traces without regions, node for node, with each block's module stack; the zero backend
+marks a sharded model's blocks itself and trains like the reference; a graph break in a block fails as before."""
+import pytest
+import torch
+import torch.nn as nn
+
+from zcompile.compiler import blocks, trace_blocks_once
+from zcompile.runtime import dtensor_params
+from tests.test_regions import Block, Net
+
+pytestmark = pytest.mark.skipif(not dtensor_params.trace_once_supported(),
+                                reason="torch < 2.13: blocks are traced inline")
+
+
+class MarkedBlock(Block):
+    forward = torch.compiler.nested_compile_region(Block.forward)
+
+
+def _dynamo_graph(net: nn.Module, x: torch.Tensor):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(net, backend=capture)(x)
+    (gm,) = graphs
+    return gm
+
+
+def _ops(gm) -> list:
+    return [(n.op, n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def test_inlining_gives_the_graph_dynamo_traces_without_regions_with_each_blocks_module_stack():
+    torch.manual_seed(0)
+    plain = Net(3)
+    marked = Net(3)
+    marked.blocks = nn.ModuleList(MarkedBlock(16) for _ in range(3))
+    marked.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 16)
+    flat = _dynamo_graph(plain, x)
+    gm = _dynamo_graph(marked, x)
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 3 and len({getattr(gm, n.args[0].target) for n in calls}) == 1  # traced once
+    assert trace_blocks_once.inline(gm) == 3
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert _ops(gm) == _ops(flat)
+    assert [blocks.block_of(n) for n in gm.graph.nodes if n.op != "placeholder"] == \
+        [blocks.block_of(n) for n in flat.graph.nodes if n.op != "placeholder"]
+    assert {blocks.block_of(n) for n in gm.graph.nodes} >= {"L['self'].blocks.0", "L['self'].blocks.1",
+                                                            "L['self'].blocks.2"}
+    args = [x if n.name.endswith("x_") else dict(marked.named_parameters())[_param_name(n.name)]
+            for n in gm.graph.nodes if n.op == "placeholder"]
+    assert torch.equal(gm(*args)[0], marked(x))
+
+
+def _param_name(ph: str) -> str:
+    """Dynamo's placeholder name of a parameter -> its module path: l_self_modules_blocks_modules_0_modules_fc_
+    parameters_weight_ -> blocks.0.fc.weight."""
+    body = ph.removeprefix("l_self_").removesuffix("_")
+    parts = body.replace("_modules_", ".").replace("modules_", "").replace("_parameters_", ".").split(".")
+    return ".".join(parts)
+
+
+def test_only_composite_blocks_that_repeat_are_marked():
+    net = Net(3)
+    net.extra = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))  # repeated Linears, not blocks
+    found = dtensor_params.repeated_blocks(net)
+    assert found == list(net.blocks)
+    assert dtensor_params.repeated_blocks(Net(1)) == []
+
+
+def _train_sharded(rank: int, world: int, depth: int, shard_first: bool, graph_break: bool, **extra) -> dict:
+    """Stage 3 (eager graphs) on `Net(depth)`; what dynamo handed the backend, losses and the final parameters."""
+    import zcompile
+    from zcompile.compiler import trace_blocks_once as tbo
+
+    seen = []
+    inline = tbo.inline
+
+    def counting(gm):
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+        if calls:
+            seen.append((len(calls), len({id(getattr(gm, n.args[0].target)) for n in calls})))
+        return inline(gm)
+
+    tbo.inline = counting
+    try:
+        torch.manual_seed(0)
+        net = Net(depth, block=BreakingBlock if graph_break else Block)
+        config = {"stage": 3, "backend": "eager", **extra}
+        if shard_first:
+            zcompile.shard_parameters(net, config)
+        run = torch.compile(net, backend="zero", options={"config": config})
+        opt = torch.optim.AdamW(run.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(3):
+            loss = run(torch.randn(4, 16, generator=g))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with torch.no_grad():  # an eager forward of the sharded model gathers each block's parameters (its hooks)
+            x = torch.randn(4, 16, generator=g)
+            eager, compiled = net(x), run(x)
+        return {"seen": seen, "losses": losses, "eager": eager.item(), "compiled": compiled.item(),
+                "params": {k: v.full_tensor() for k, v in net.named_parameters()}}
+    finally:
+        tbo.inline = inline
+
+
+class BreakingBlock(Block):
+    def forward(self, x):
+        y = super().forward(x)
+        torch._dynamo.graph_break()
+        return y
+
+
+def _reference(world: int, depth: int) -> dict:
+    """The same steps in one process without sharding: each rank's batch, gradients averaged."""
+    torch.manual_seed(0)
+    net = Net(depth)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    for _ in range(3):
+        total = sum(net(torch.randn(4, 16, generator=g)) for g in gens) / world
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in net.named_parameters()}
+
+
+@pytest.mark.parametrize("shard_first", [False, True], ids=["sharded_at_first_compile", "shard_parameters"])
+def test_the_zero_backend_traces_each_block_once_and_trains_like_the_reference(shard_first):
+    from tests.harness import run_world
+    ref = _reference(2, 4)
+    for res in run_world(2, _train_sharded, 4, shard_first, False):
+        assert res["seen"] and all(s == (4, 1) for s in res["seen"]), res["seen"]  # 4 calls of one subgraph
+        assert abs(res["eager"] - res["compiled"]) < 1e-5
+        for k, v in ref.items():
+            assert torch.allclose(res["params"][k], v, atol=1e-5), k
+
+
+def test_a_block_with_a_graph_break_fails_as_it_does_traced_inline():
+    """A graph break inside a loop over blocks leaves the blocks to eager code (dynamo cannot resume inside a
+    loop), marked for tracing once or not: the optimizer step names it on every rank, not a dynamo error."""
+    from tests.harness import run_world
+    from zcompile.tools.launch import WorkerFailed
+    for once in (True, False):
+        with pytest.raises(WorkerFailed, match="never an input of a graph compiled by the zero backend") as e:
+            run_world(2, _train_sharded, 3, False, True, trace_blocks_once=once)
+        assert "graph break" in str(e.value)
+
+
+def test_a_user_marked_region_is_inlined_and_its_parameters_sharded():
+    from tests.harness import run_world
+    from tests.test_regions import _compile_marked_blocks
+    (message,) = run_world(1, _compile_marked_blocks)
+    assert message == "compiled", message
+
