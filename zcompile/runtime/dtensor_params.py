@@ -381,18 +381,23 @@ def _marked_class(cls: type) -> type:
         forward.__marked_compile_region_max_reuse_entries__ = MAX_TRACES
         _BLOCK_CLASSES[cls] = type(cls.__name__, (cls,), {
             "forward": _outer_forward, "_zc_region": region, "_zc_marked": True, "__reduce_ex__": _no_pickle_block,
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            "__deepcopy__": _deepcopy_block, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return _BLOCK_CLASSES[cls]
 
 
 def _outer_forward(self, *args, **kwargs):
     for path in self._zc_members:  # the instances of the modules inside, read outside the region (see above)
         m = self
-        for name in path:
-            m = getattr(m, name)
-        if m._zc_instance < 0:
+        for name in path:  # a path the user rewired since (adapters) is skipped until mark_blocks runs again
+            m = getattr(m, name, None)
+        if getattr(m, "_zc_instance", 0) < 0:
             raise AssertionError
     return type(self)._zc_region(self, *args, **kwargs)
+
+
+def _deepcopy_block(self, memo):
+    """copy.deepcopy of a marked block (an EMA model): as without the mark (pickling is refused, below)."""
+    return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))
 
 
 def _no_pickle_block(self, protocol):
