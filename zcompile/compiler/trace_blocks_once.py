@@ -41,7 +41,7 @@ def inline(gm: fx.GraphModule) -> int:
                     continue
                 if n.op == "get_attr":  # a higher-order op's body inside the region: the caller holds it too
                     name = _free_name(gm, n.target)
-                    setattr(gm, name, _attr(sub, n.target))
+                    setattr(gm, name, operator.attrgetter(n.target)(sub))
                     new = gm.graph.get_attr(name)
                     new.meta = dict(n.meta)
                 else:
@@ -80,13 +80,6 @@ def forget_reuse() -> None:
     ctx = TracingContext.try_get()
     if ctx is not None:
         ctx.hop_dispatch_set_cache = HopDispatchSetCache()
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _free_name(gm: fx.GraphModule, base: str) -> str:

@@ -331,8 +331,7 @@ MAX_TRACES = 1 << 30
 
 def trace_once_supported() -> bool:
     """torch 2.11's dynamo fails on DTensor parameters inside a nested compile region; 2.13's traces them."""
-    return hasattr(torch.compiler, "nested_compile_region") and tuple(
-        int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+    return hasattr(torch.compiler, "nested_compile_region") and torch.__version__ >= (2, 13)
 
 
 def repeated_blocks(root: nn.Module) -> list[nn.Module]:
