@@ -51,7 +51,7 @@ SYSTEMS = {
     "zcompile_z2": compare._zcompile(2),
     "zcompile_z3": compare._zcompile(3),  # regional_compile 'auto'
     "zcompile_z3_regional": compare._zcompile(3, regional_compile=True),  # regions at any depth
-    "zcompile_z3_trace_blocks_once": compare._zcompile(3, trace_blocks_once=True),  # dynamo traces one block
+    "zcompile_z3_trace_every_block": compare._zcompile(3, trace_blocks_once=False),  # dynamo inlines each block
     "zcompile_z3_whole_graph": compare.SETUP["zcompile_z3_whole_graph"],  # one inductor graph per fw/bw
     "zcompile_z3_zeropp": compare.setup_zeropp,
     "zcompile_z3_eager_graphs": compare._zcompile(3, backend="eager"),  # everything but inductor: tracing, passes

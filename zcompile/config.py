@@ -90,10 +90,10 @@ SCHEMA: dict[str, Any] = {
                             "only where block regions repeat (at least twice as many as distinct ones), else one "
                             "graph; false: always one inductor graph per forward/backward",
                             choices=("auto", True, False)),
-    "trace_blocks_once": Key((bool,), False, "dynamo traces one item of each repeated block (a ModuleList of one "
+    "trace_blocks_once": Key((bool,), True, "dynamo traces one item of each repeated block (a ModuleList of one "
                              "class) and stamps it out for the others (torch.compiler.nested_compile_region, then "
-                             "inlined for the passes): dynamo's time stops growing with depth; torch >= 2.13; "
-                             "opt-in until the whole test suite has passed with it on"),
+                             "inlined for the passes): dynamo's time stops growing with depth; torch >= 2.13 (off "
+                             "by itself on older torch); false: dynamo inlines every block"),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),

@@ -586,11 +586,7 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
                                 f"{_source_name(ph)}): compile the model (torch.compile(model, ...)) or a function "
                                 "that calls it")
         roots[id(root)] = root
-    count = sum(dtensor_params.shard_module(root, functools.partial(shard_store.register_for, cfg, ctx), ctx,
-                                            cfg.collective_timeout_s) for root in roots.values())
-    if count and cfg.trace_blocks_once and dtensor_params.trace_once_supported():
-        for root in roots.values():
-            dtensor_params.mark_blocks(root)
+    count = sum(dtensor_params.shard_model(root, cfg, ctx) for root in roots.values())
     if count:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()

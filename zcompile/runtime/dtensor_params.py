@@ -89,17 +89,22 @@ def shard_parameters(model: nn.Module, config) -> nn.Module:
     """Replace the model's parameters by their DTensor shards now, as its first compiled forward would (like FSDP2's
     fully_shard): references taken afterwards (optimizers, freezing lists, EMA copies) are the parameters. `config`:
     the same path or mapping given to torch.compile. Returns the model."""
-    from functools import partial
-
     from zcompile import config as zconfig
     cfg = zconfig.from_options({"config": config})
     ctx = dist_context.DistContext.current()
     if cfg.stage >= Stage.OPTIMIZER:
-        root = getattr(model, "_orig_mod", model)
-        shard_module(root, partial(shard_store.register_for, cfg, ctx), ctx, cfg.collective_timeout_s)
-        if cfg.trace_blocks_once and trace_once_supported():
-            mark_blocks(root)
+        shard_model(getattr(model, "_orig_mod", model), cfg, ctx)
     return model
+
+
+def shard_model(root: nn.Module, cfg, ctx) -> int:
+    """shard_module for a config, then (trace_blocks_once) mark the repeated blocks. Returns how many parameters
+    were replaced."""
+    from functools import partial
+    count = shard_module(root, partial(shard_store.register_for, cfg, ctx), ctx, cfg.collective_timeout_s)
+    if count and cfg.trace_blocks_once and trace_once_supported():
+        mark_blocks(root)
+    return count
 
 
 def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
