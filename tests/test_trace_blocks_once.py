@@ -92,7 +92,7 @@ def _train_sharded(rank: int, world: int, depth: int, shard_first: bool, graph_b
     try:
         torch.manual_seed(0)
         net = Net(depth, block=BreakingBlock if graph_break else Block)
-        config = {"stage": 3, "backend": "eager", "trace_blocks_once": True, **extra}
+        config = {"stage": 3, "backend": "eager", **extra}  # trace_blocks_once by default
         if shard_first:
             zcompile.shard_parameters(net, config)
         run = torch.compile(net, backend="zero", options={"config": config})
