@@ -1,7 +1,8 @@
 """Experiment, not a feature: what keeping the blocks dynamo traced once (trace_blocks_once) as `invoke_subgraph`
 calls through AOTAutograd and the partitioner would save, inlining them only after the partition (today the
 backend inlines them before AOTAutograd). It patches zcompile's backend in this process only:
-- `unwrap_graph` also collapses the DTensor parameters an invoke_subgraph call passes to its body;
+- `unwrap_graph` also collapses the DTensor parameters an invoke_subgraph call passes to its body (one more entry
+  in `dtensor_params._WRAPPERS`);
 - AOTAutograd partitions each region's own joint with the same partition_fn (joint inputs `[]`): those get plain
   min-cut, the outer joint zcompile's partition, after which the forward and backward are inlined for the passes;
 - `--no-schema` skips the per-call input-mutation check of the HOP's autograd key (`gen_schema` re-traces the body
@@ -46,39 +47,7 @@ def _patch(keep: bool, no_schema: bool, report: dict) -> None:
     min_cut, outer_partition = backend.min_cut_rematerialization_partition, backend._GraphCompile.partition
     if keep:
         trace_blocks_once.inline = lambda gm: 0
-        dp._wraps = lambda n: n.op == "call_function" and (n.target in dp._WRAPPERS or n.target is isg)
-        def _collapse(gm, ph, zp, fake):  # dp._collapse, with invoke_subgraph's operands from args[2]
-            if "example_value" in ph.meta and not isinstance(ph.meta["example_value"], dp.DTensor):
-                return
-            for use in list(ph.users):
-                if dp._wraps(use):
-                    body = getattr(gm, use.args[0].target)
-                    inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-                    for i, arg in enumerate(use.args[2 if use.target is isg else 1:]):
-                        if arg is ph:
-                            _collapse(body, inner[i], zp, fake)
-                    body.recompile()
-                    continue
-                for to_local in list(use.users):
-                    to_local.replace_all_uses_with(ph)
-                    gm.graph.erase_node(to_local)
-                gm.graph.erase_node(use)
-            ph.meta["example_value"] = fake
-        dp._collapse = _collapse
-        unused_of: dict[int, set] = {}
-
-        def _drop(gm):  # dp._drop_unused_operands, with invoke_subgraph's operands from args[2], bodies shared
-            for node in [n for n in gm.graph.nodes if dp._wraps(n)]:
-                k, body = 2 if node.target is isg else 1, getattr(gm, node.args[0].target)
-                if id(body) not in unused_of:
-                    _drop(body)
-                    inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-                    unused_of[id(body)] = {i for i, p in enumerate(inner) if not p.users}
-                    for i in unused_of[id(body)]:
-                        body.graph.erase_node(inner[i])
-                    body.recompile()
-                node.args = (*node.args[:k], *[a for i, a in enumerate(node.args[k:]) if i not in unused_of[id(body)]])
-        dp._drop_unused_operands = _drop
+        dp._WRAPPERS[isg] = 2  # unwrap_graph collapses the parameters it passes to its body, from args[2] on
 
         def partition(self, joint, joint_inputs, **kw):
             if not joint_inputs:  # a region's own joint

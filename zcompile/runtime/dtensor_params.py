@@ -455,24 +455,29 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
     return [inputs[k] for k in kept], {new: params[k] for new, k in enumerate(kept) if k in params}, dropped
 
 
-# Higher-order ops that call their body (args[0]) with the rest of their args: torch.utils.checkpoint under dynamo
-_WRAPPERS = (torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap)
+# Higher-order ops that call their body (args[0]) with their args from an index on: torch.utils.checkpoint under
+# dynamo. {op: index of its first operand}
+_WRAPPERS = {torch.ops.higher_order.tag_activation_checkpoint: 1, torch.ops.higher_order.wrap: 1}
 
 
 def _wraps(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in _WRAPPERS
 
 
+def _operands(node: torch.fx.Node) -> tuple:
+    return node.args[_WRAPPERS[node.target]:]
+
+
 def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.ShardedParam, fake: torch.Tensor) -> None:
     """Each `redistribute -> to_local` of placeholder `ph` becomes `ph`, which now stands for the whole parameter
     (`fake`); a wrapper that takes `ph` passes it on, so the same happens to its body's placeholder."""
     if "example_value" in ph.meta and not isinstance(ph.meta["example_value"], DTensor):
-        return  # a body that several wrapper calls share: collapsed already
+        return  # a body that several wrapper calls share (a block traced once): collapsed already
     for use in list(ph.users):
         if _wraps(use):
             body = getattr(gm, use.args[0].target)
             inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-            for i, arg in enumerate(use.args[1:]):
+            for i, arg in enumerate(_operands(use)):
                 if arg is ph:
                     _collapse(body, inner[i], zp, fake)
             body.graph.lint()
@@ -490,19 +495,23 @@ def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.Shard
     ph.meta["example_value"] = fake
 
 
-def _drop_unused_operands(gm: torch.fx.GraphModule) -> None:
-    """A wrapper's body no longer reads the meshes it redistributed over: drop them from body and call."""
+def _drop_unused_operands(gm: torch.fx.GraphModule, dropped: dict | None = None) -> None:
+    """A wrapper's body no longer reads the meshes it redistributed over: drop them from body and call. A body
+    that several calls share (a block traced once) loses them at its first call; `dropped` ({id(body): operand
+    indices}) drops the same from the others."""
+    dropped = {} if dropped is None else dropped
     for node in list(gm.graph.nodes):
         if not _wraps(node):
             continue
         body = getattr(gm, node.args[0].target)
-        _drop_unused_operands(body)
-        inner = [n for n in body.graph.nodes if n.op == "placeholder"]
-        unused = {i for i, p in enumerate(inner) if not p.users}
-        if not unused:
-            continue
-        for i in unused:
-            body.graph.erase_node(inner[i])
-        node.args = (node.args[0], *[a for i, a in enumerate(node.args[1:]) if i not in unused])
-        body.graph.lint()
-        body.recompile()
+        if id(body) not in dropped:
+            _drop_unused_operands(body, dropped)
+            inner = [n for n in body.graph.nodes if n.op == "placeholder"]
+            dropped[id(body)] = {i for i, p in enumerate(inner) if not p.users}
+            for i in dropped[id(body)]:
+                body.graph.erase_node(inner[i])
+            body.graph.lint()
+            body.recompile()
+        unused = dropped[id(body)]
+        first = _WRAPPERS[node.target]
+        node.args = (*node.args[:first], *[a for i, a in enumerate(node.args[first:]) if i not in unused])
