@@ -109,10 +109,33 @@ def _train_sharded(rank: int, world: int, depth: int, shard_first: bool, block: 
         with torch.no_grad():  # an eager forward of the sharded model gathers each block's parameters (its hooks)
             x = torch.randn(4, 16, generator=g)
             eager, compiled = net(x), run(x)
+        from zcompile.compiler import backend
+        jobs = [job for job in backend._COMPILED if "forward" in job.final]
         return {"seen": seen, "losses": losses, "eager": eager.item(), "compiled": compiled.item(),
-                "params": {k: v.full_tensor() for k, v in net.named_parameters()}}
+                "params": {k: v.full_tensor() for k, v in net.named_parameters()},
+                "kept": [job.regions_kept for job in backend._COMPILED],
+                "saved gathered": sum(_saved_gathered(job.final["forward"], job.num_fwd_outputs) for job in jobs)}
     finally:
         tbo.inline = inline
+
+
+# views and copies: a bucket's copy-out is slice -> clone -> view
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.permute.default,
+          torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
+          torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default,
+          torch.ops.aten.clone.default}
+
+
+def _saved_gathered(fw, num_fwd_outputs: int) -> int:
+    """How many tensors the compiled forward saves for the backward that are (views or copies of) gathered
+    parameters: each keeps a whole parameter alive from the forward to the backward."""
+    def root(n):
+        while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _VIEWS:
+            n = n.args[0]
+        return n
+    saved = fw.graph.output_node().args[0][num_fwd_outputs:]
+    return sum(isinstance(s, torch.fx.Node) and root(s).target is torch.ops._c10d_functional.wait_tensor.default
+               for s in saved)
 
 
 class BreakingBlock(Block):
@@ -147,15 +170,23 @@ def _reference(world: int, depth: int) -> dict:
     return {k: v.detach() for k, v in net.named_parameters()}
 
 
-@pytest.mark.parametrize("shard_first, block", [(False, "plain"), (True, "plain"), (False, "checkpointed")],
-                         ids=["sharded_at_first_compile", "shard_parameters", "checkpoint_inside_the_block"])
-def test_the_zero_backend_traces_each_block_once_and_trains_like_the_reference(shard_first, block):
+@pytest.mark.parametrize("shard_first, block, keep", [
+    (False, "plain", False), (True, "plain", False), (False, "checkpointed", False),
+    (False, "plain", True), (False, "checkpointed", True)],
+    ids=["sharded_at_first_compile", "shard_parameters", "checkpoint_inside_the_block",
+         "kept_through_aot", "kept_through_aot_checkpoint_inside"])
+def test_the_zero_backend_traces_each_block_once_and_trains_like_the_reference(shard_first, block, keep):
     """Also with an activation checkpoint inside the block: its body, shared by every block's call once inlined,
-    loses the meshes it no longer reads at each call (it failed with a layer_norm given a FakeScriptObject)."""
+    loses the meshes it no longer reads at each call (it failed with a layer_norm given a FakeScriptObject).
+    keep_block_regions: AOTAutograd traces and partitions the block once (the forward and the backward then
+    inline 4 calls of one region each); the forward saves no gathered weight for the backward either way (the
+    region's partition tags the weights' transposes for recompute, else it saved one per linear)."""
     from tests.harness import run_world
     ref = _reference(2, 4)
-    for res in run_world(2, _train_sharded, 4, shard_first, block):
+    for res in run_world(2, _train_sharded, 4, shard_first, block, keep_block_regions=keep):
         assert res["seen"] and all(s == (4, 1) for s in res["seen"]), res["seen"]  # 4 calls of one subgraph
+        assert all(res["kept"]) if keep else not any(res["kept"]), res["kept"]
+        assert res["saved gathered"] == 0, res["saved gathered"]
         assert abs(res["eager"] - res["compiled"]) < 1e-5
         for k, v in ref.items():
             assert torch.allclose(res["params"][k], v, atol=1e-5), k

@@ -94,6 +94,10 @@ SCHEMA: dict[str, Any] = {
                              "class) and stamps it out for the others (torch.compiler.nested_compile_region, then "
                              "inlined for the passes): dynamo's time stops growing with depth; torch >= 2.13 (off "
                              "by itself on older torch); false: dynamo inlines every block"),
+    "keep_block_regions": Key((bool,), False, "the blocks traced once stay regions through AOTAutograd: each "
+                              "distinct block's forward+backward is traced and partitioned once, then inlined for "
+                              "the split passes (experimental; inlined first with bf16 mixed precision, tiling, or "
+                              "a block that writes its inputs)"),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
@@ -221,6 +225,7 @@ class Config:
     backend: str = SCHEMA["backend"].default
     regional_compile: str | bool = SCHEMA["regional_compile"].default
     trace_blocks_once: bool = SCHEMA["trace_blocks_once"].default
+    keep_block_regions: bool = SCHEMA["keep_block_regions"].default
     mixed_precision: MixedPrecision = MixedPrecision()
     dump: str | None = SCHEMA["dump"].default
     pipeline: tuple[str, ...] | None = SCHEMA["pipeline"].default
@@ -422,7 +427,8 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     qw, qg, tiling = (None if v[k] is None else cls(**v[k]) for k, cls in (
         ("quantize_weights", QuantizeWeights), ("quantize_gradients", QuantizeGradients), ("tiling", Tiling)))
     cfg = Config(stage=stage, backend=v["backend"], regional_compile=v["regional_compile"],
-                 trace_blocks_once=v["trace_blocks_once"], mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
+                 trace_blocks_once=v["trace_blocks_once"], keep_block_regions=v["keep_block_regions"],
+                 mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
                  schedule_check=v["schedule_check"], collective_timeout_s=float(v["collective_timeout_s"]),
                  bucket_mb=float(v["bucket_mb"]), prefetch=v["prefetch"],
                  # the two sizes as given: a memory_budget fraction is resolved against the device later

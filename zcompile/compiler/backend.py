@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
-from zcompile.compiler import trace_blocks_once
+from zcompile.compiler import block_regions, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
@@ -147,6 +147,7 @@ class _GraphCompile:
         self.times: dict[str, float] = {}  # seconds spent per compile phase (bench/compile_time.py reads them)
         # graph kind -> (regions, regions running compiled code, distinct regions compiled)
         self.regions: dict[str, tuple[int, int, int]] = {}
+        self.regions_kept = False  # the blocks traced once went through AOTAutograd as regions (block_regions)
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -289,6 +290,8 @@ class _GraphCompile:
         with self.timed("partition"):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                          **kwargs)
+            if self.regions_kept:
+                block_regions.inline_partitioned(fw, bw, num_fwd_outputs)
         self.num_fwd_outputs = num_fwd_outputs
         self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
@@ -299,6 +302,19 @@ class _GraphCompile:
             self.schedule_identity = schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw},
                                                           self.cfg.collective_timeout_s)
         return fw, bw
+
+    def partition_region(self, params: dict, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
+                         **kwargs):
+        """The forward+backward of one block region (block_regions): the joint passes with its parameter operands
+        (`params`, by operand index: the region's primals), then the min-cut."""
+        primals = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+        pctx = PassContext(self.cfg, self.ctx, "joint", params, len(primals), self.topology,
+                           num_fwd_outputs=num_fwd_outputs)
+        with self.timed("zcompile passes"):
+            joint = passes.run_phase("joint", joint, pctx)
+        with self.timed("partition"):
+            return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                       **kwargs)
 
     def run_check(self, kind: str):
         """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check), and
@@ -314,6 +330,8 @@ class _GraphCompile:
 
     def compiler(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "inference":
+            if self.regions_kept:
+                trace_blocks_once.inline(gm)
             self.seed_random_ops(gm)
             self.plan_persistence({"inference": gm})
             gm, pctx = self.split_passes(gm, kind)
@@ -489,7 +507,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
     example_inputs = list(example_inputs)
     if not dtensor_params.trace_once_supported():
         _refuse_nested_regions(gm)
-    if trace_blocks_once.inline(gm):
+    why_inlined = block_regions.why_not(gm, cfg)
+    keep_regions = why_inlined is None
+    if not keep_regions and trace_blocks_once.inline(gm):
         trace_blocks_once.forget_reuse()
     example_inputs, dparams, dropped = dtensor_params.unwrap_graph(gm, example_inputs)
     is_param = [isinstance(x, nn.Parameter) or i in dparams for i, x in enumerate(example_inputs)]
@@ -507,17 +527,32 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
         params[i] = zp
     params = dict(sorted(params.items()))
     job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text, commit)
+    if keep_regions:
+        regions = block_regions.parameter_operands(gm, params)
+        why_inlined = ("two calls of a block pass parameters at different places" if regions is None
+                       else block_regions.why_not_bodies(gm, example_inputs))
+        keep_regions = why_inlined is None
+        if keep_regions:
+            block_regions.mark(gm, regions, job.partition_region)
+        elif trace_blocks_once.inline(gm):
+            trace_blocks_once.forget_reuse()
+    if cfg.keep_block_regions and not keep_regions and why_inlined != "no regions":
+        job.notes.append(f"keep_block_regions: blocks inlined before AOTAutograd ({why_inlined})")
+    job.regions_kept = keep_regions
     job.dump("dynamo", "input", gm)
     with job.timed("zcompile passes"):
         gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 
-    compiled = aot_autograd(
-        fw_compiler=functools.partial(_boxed, job, "forward"),
-        bw_compiler=functools.partial(_boxed, job, "backward"),
-        inference_compiler=functools.partial(_boxed, job, "inference"),
-        partition_fn=job.partition,
-        decompositions=select_decomp_table(),
-    )(gm, example_inputs)
+    with block_regions.mutation_check_once() if keep_regions else contextlib.nullcontext():
+        compiled = aot_autograd(
+            fw_compiler=functools.partial(_boxed, job, "forward"),
+            bw_compiler=functools.partial(_boxed, job, "backward"),
+            inference_compiler=functools.partial(_boxed, job, "inference"),
+            partition_fn=job.partition,
+            decompositions=select_decomp_table(),
+        )(gm, example_inputs)
+    if keep_regions:
+        trace_blocks_once.forget_reuse()
 
     skip, kept = set(dropped), len(example_inputs)
     # dynamo keeps `run` for the life of the process (a global of the user's module, even after

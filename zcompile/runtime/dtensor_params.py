@@ -456,8 +456,9 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
 
 
 # Higher-order ops that call their body (args[0]) with their args from an index on: torch.utils.checkpoint under
-# dynamo. {op: index of its first operand}
-_WRAPPERS = {torch.ops.higher_order.tag_activation_checkpoint: 1, torch.ops.higher_order.wrap: 1}
+# dynamo, and the blocks traced once where they stay regions (keep_block_regions). {op: index of its first operand}
+_WRAPPERS = {torch.ops.higher_order.tag_activation_checkpoint: 1, torch.ops.higher_order.wrap: 1,
+             torch.ops.higher_order.invoke_subgraph: 2}
 
 
 def _wraps(node: torch.fx.Node) -> bool:

@@ -28,5 +28,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         if inputs and all(a in param_derived for a in inputs) and tensors:
             param_derived.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = 0
+            # in no activation-checkpoint region: the partitioner saves a recomputable node whose user sits in a
+            # later region (the region's input), which would keep the gathered weight alive
+            node.meta.pop("ac_graph_id", None)
     return gm

@@ -1,0 +1,169 @@
+"""Blocks traced once stay regions through AOTAutograd (`keep_block_regions`): AOTAutograd traces and partitions
+each distinct block's forward+backward once (invoke_subgraph's own autograd support) instead of every block's
+inlined copy. The backend inlines the partitioned forward and backward (trace_blocks_once.inline) before the split
+passes, which see the graphs they always saw.
+
+What zcompile adds to torch's machinery:
+- each region is partitioned by `partition` below, which runs zcompile's joint passes (tag_param_recompute) with
+  the region's parameter operands: a plain min-cut saves the transposes of gathered weights, which keeps every
+  gathered weight alive from the forward to the backward under ZeRO-3;
+- after inlining, the forward saves a region's parameter operand as the primal itself, under the region output's
+  name: `inline_partitioned` gives the backward's placeholder the primal's name, by which the split passes find
+  the parameters the backward gathers again;
+- the region HOP's autograd key re-traces the body at every call to refuse input mutation (~6 s of a 32-layer
+  GPT's joint trace): `why_not_bodies` checks each distinct body once, `mutation_check_once` skips the per-call
+  check during zcompile's own AOTAutograd call.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+
+from zcompile.compiler import trace_blocks_once
+from zcompile.errors import ZCompileError
+
+_ISG = torch.ops.higher_order.invoke_subgraph
+
+
+def calls(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ISG]
+
+
+def body_of(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
+    return getattr(gm, call.args[0].target)
+
+
+def operands(call: fx.Node) -> tuple:
+    return call.args[2:]
+
+
+def why_not(gm: fx.GraphModule, cfg) -> str | None:
+    """Why this dynamo graph's regions cannot stay regions (they are inlined first), or None. The dynamo-phase
+    passes (mixed_precision's casts, tile_linears) rewrite parameter uses, which would sit inside the bodies."""
+    if not cfg.keep_block_regions:
+        return "off"
+    found = calls(gm)
+    if not found:
+        return "no regions"
+    if cfg.mixed_precision.param_dtype != torch.float32 or cfg.tiling is not None:
+        return "a dynamo-phase pass rewrites parameter uses"
+    if any(calls(body_of(gm, c)) for c in found):
+        return "a region inside a region"  # AOTAutograd pairs only top-level regions' forward and backward
+    return None
+
+
+def parameter_operands(gm: fx.GraphModule, params: dict) -> dict[int, dict] | None:
+    """{id(body): {operand index: ShardedParam}} for the regions of `gm` (after unwrap_graph), whose placeholder
+    k carries `params[k]`; None when two calls of one body pass parameters at different operands."""
+    phs = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out: dict[int, dict] = {}
+    for call in calls(gm):
+        mine = {i: params[phs[a]] for i, a in enumerate(operands(call)) if a in phs and phs[a] in params}
+        seen = out.setdefault(id(body_of(gm, call)), mine)
+        if seen.keys() != mine.keys():
+            return None
+    return out
+
+
+def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
+    """Why a region's body cannot stay a region, or None; each distinct body is traced once to aten ops (as the
+    HOP's own schema check does). A body that writes its operands: the HOP refuses training through it. Random
+    ops (dropout): inductor seeds them in its joint passes, which a region's partition would run without the
+    seeds zcompile threads through the outer graph (seed_random_ops)."""
+    from torch._higher_order_ops.utils import check_input_alias_and_mutation_return_outputs, materialize_as_graph
+    phs = {n: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)}
+    done: set = set()
+    for call in calls(gm):
+        body = body_of(gm, call)
+        if id(body) in done:
+            continue
+        done.add(id(body))
+        args = tuple(phs[a] if a in phs else a.meta.get("example_value") if isinstance(a, fx.Node) else a
+                     for a in operands(call))
+        traced = materialize_as_graph(body, args)
+        if check_input_alias_and_mutation_return_outputs(traced)[3]:
+            return "a block writes its inputs"
+        if any(map(_draws_random, traced.graph.nodes)):
+            return "random ops (dropout) in a block"
+    return None
+
+
+def _draws_random(node: fx.Node) -> bool:
+    """A seeded random op; attention with dropout_p 0 (Hugging Face models in training mode) draws nothing."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    for k, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[k] if k < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return p != 0
+    return True
+
+
+def mark(gm: fx.GraphModule, params: dict[int, dict], partition) -> None:
+    """Each call's region is partitioned by `partition(its parameter operands, joint, joint_inputs, **kwargs)`
+    (AOTAutograd reads the partitioner from the forward call's meta["custom"]); `params`: parameter_operands."""
+    from torch._higher_order_ops.invoke_subgraph import NestedCompileRegionOptions
+    options = {}
+    for call in calls(gm):
+        body = id(body_of(gm, call))
+        if body not in options:
+            options[body] = NestedCompileRegionOptions(partitioner=_Partitioner(partition, params[body]))
+        call.meta.setdefault("custom", {})["nested_region_config"] = options[body]
+
+
+class _Partitioner:
+    def __init__(self, partition, params: dict):
+        self.partition, self.params = partition, params
+
+    def __deepcopy__(self, memo):  # AOTAutograd copies the call's meta["custom"] to the backward's nodes
+        return self
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        return self.partition(self.params, joint, joint_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def mutation_check_once():
+    """Within zcompile's AOTAutograd call (the bodies were checked by `why_not_bodies`): the HOP's autograd key
+    skips its per-call schema, which re-traces the body."""
+    old = _ISG._supports_training_input_mutation
+    _ISG._supports_training_input_mutation = True
+    try:
+        yield
+    finally:
+        _ISG._supports_training_input_mutation = old
+
+
+def inline_partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Inline the region calls of a partitioned forward and backward. A region's forward hands its parameter
+    operands on to its backward, so the inlined forward saves the primal itself, under the region output's name:
+    the backward's placeholder of that name takes the primal's (the split passes find saved parameters by it,
+    PassContext.param_placeholders); a second save of one primal is left unused."""
+    names = [v.name if isinstance(v, fx.Node) else None for v in _saved(fw, num_fwd_outputs)]
+    trace_blocks_once.inline(fw)
+    trace_blocks_once.inline(bw)
+    by_name = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    for name, value in zip(names, _saved(fw, num_fwd_outputs)):
+        if name is None or value.op != "placeholder" or name == value.name or name not in by_name:
+            continue
+        old = by_name.pop(name)
+        if value.name in by_name:
+            old.replace_all_uses_with(by_name[value.name])
+            continue
+        with bw.graph.inserting_before(old):
+            named = bw.graph.placeholder(value.name)
+        if named.name != value.name:
+            raise ZCompileError(f"backward graph: cannot name saved parameter {value.name} ({named.name})")
+        named.meta = dict(old.meta)
+        old.replace_all_uses_with(named)
+        bw.graph.erase_node(old)
+        by_name[value.name] = named
+    bw.graph.lint()
+    bw.recompile()
+
+
+def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list:
+    return list(fw.graph.output_node().args[0][num_fwd_outputs:])
