@@ -52,6 +52,8 @@ SYSTEMS = {
     "zcompile_z3": compare._zcompile(3),  # regional_compile 'auto'
     "zcompile_z3_regional": compare._zcompile(3, regional_compile=True),  # regions at any depth
     "zcompile_z3_trace_every_block": compare._zcompile(3, trace_blocks_once=False),  # dynamo inlines each block
+    # AOTAutograd traces and partitions each distinct block once
+    "zcompile_z3_keep_block_regions": compare._zcompile(3, keep_block_regions=True),
     "zcompile_z3_whole_graph": compare.SETUP["zcompile_z3_whole_graph"],  # one inductor graph per fw/bw
     "zcompile_z3_zeropp": compare.setup_zeropp,
     "zcompile_z3_eager_graphs": compare._zcompile(3, backend="eager"),  # everything but inductor: tracing, passes

@@ -46,9 +46,9 @@ def inline(gm: fx.GraphModule) -> int:
                     new.meta = dict(n.meta)
                 else:
                     new = gm.graph.node_copy(n, lambda x: env[x])
-                stack = n.meta.get("nn_module_stack")
-                if stack:
-                    new.meta["nn_module_stack"] = rename(stack)
+                for key in _STACKS:
+                    if n.meta.get(key):
+                        new.meta[key] = rename(n.meta[key])
                 env[n] = new
         results = [env[o] if isinstance(o, fx.Node) else o for o in out]
         for user in list(call.users):
@@ -82,6 +82,15 @@ def forget_reuse() -> None:
         ctx.hop_dispatch_set_cache = HopDispatchSetCache()
 
 
+# A forward node's module stack; a backward node (a region's partitioned backward: keep_block_regions) carries
+# its forward node's under the second key (AOTAutograd's copy_fwd_metadata_to_bw_nodes).
+_STACKS = ("nn_module_stack", "fwd_nn_module_stack")
+
+
+def _stack(node: fx.Node) -> dict | None:
+    return node.meta.get(_STACKS[0]) or node.meta.get(_STACKS[1])
+
+
 def _free_name(gm: fx.GraphModule, base: str) -> str:
     base = base.replace(".", "_")
     for k in range(1 << 20):
@@ -95,11 +104,11 @@ def _stack_rename(sub: fx.GraphModule, call: fx.Node):
     """A region node's module stack -> the stack of that node in the calling block: the call's own stack (the
     modules around the block, the block last), then the region's entries below the block, renamed from the traced
     block's path to the calling one's."""
-    calling = dict(call.meta.get("nn_module_stack") or {})
+    calling = dict(_stack(call) or {})
     if not calling:
         return lambda stack: stack
     here, cls = list(calling.values())[-1]
-    traced = next((n.meta["nn_module_stack"] for n in sub.graph.nodes if n.meta.get("nn_module_stack")), {})
+    traced = next(filter(None, map(_stack, sub.graph.nodes)), {})
     there = next((p for p, c in traced.values() if c is cls), None)
 
     def rename(stack: dict) -> dict:
