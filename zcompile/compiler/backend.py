@@ -508,8 +508,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
     if not dtensor_params.trace_once_supported():
         _refuse_nested_regions(gm)
     why_inlined = block_regions.why_not(gm, cfg)
-    keep_regions = why_inlined is None
-    if not keep_regions and trace_blocks_once.inline(gm):
+    if why_inlined is not None and trace_blocks_once.inline(gm):
         trace_blocks_once.forget_reuse()
     example_inputs, dparams, dropped = dtensor_params.unwrap_graph(gm, example_inputs)
     is_param = [isinstance(x, nn.Parameter) or i in dparams for i, x in enumerate(example_inputs)]
@@ -527,23 +526,12 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
         params[i] = zp
     params = dict(sorted(params.items()))
     job = _GraphCompile(cfg, ctx, params, len(example_inputs), identity, inputs_text, commit)
-    if keep_regions:
-        regions = block_regions.parameter_operands(gm, params)
-        why_inlined = ("two calls of a block pass parameters at different places" if regions is None
-                       else block_regions.why_not_bodies(gm, example_inputs))
-        keep_regions = why_inlined is None
-        if keep_regions:
-            block_regions.mark(gm, regions, job.partition_region)
-        elif trace_blocks_once.inline(gm):
-            trace_blocks_once.forget_reuse()
-    if cfg.keep_block_regions and not keep_regions and why_inlined != "no regions":
-        job.notes.append(f"keep_block_regions: blocks inlined before AOTAutograd ({why_inlined})")
-    job.regions_kept = keep_regions
+    job.regions_kept = _keep_regions(gm, example_inputs, job, why_inlined)
     job.dump("dynamo", "input", gm)
     with job.timed("zcompile passes"):
         gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 
-    with block_regions.mutation_check_once() if keep_regions else contextlib.nullcontext():
+    with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext():
         compiled = aot_autograd(
             fw_compiler=functools.partial(_boxed, job, "forward"),
             bw_compiler=functools.partial(_boxed, job, "backward"),
@@ -551,7 +539,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
             partition_fn=job.partition,
             decompositions=select_decomp_table(),
         )(gm, example_inputs)
-    if keep_regions:
+    if job.regions_kept:
         trace_blocks_once.forget_reuse()
 
     skip, kept = set(dropped), len(example_inputs)
@@ -575,6 +563,23 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
         return job.compiled(*args)
 
     return job, run
+
+
+def _keep_regions(gm: fx.GraphModule, example_inputs: list, job: _GraphCompile, why: str | None) -> bool:
+    """keep_block_regions: mark the blocks' regions for job.partition_region, or inline them now when one cannot
+    stay a region (`why`, from block_regions.why_not, or found here), saying why in the dumps' notes."""
+    if why is None:
+        regions = block_regions.parameter_operands(gm, job.params)
+        why = ("two calls of a block pass parameters at different operands" if regions is None
+               else block_regions.why_not_bodies(gm, example_inputs))
+        if why is None:
+            block_regions.mark(gm, regions, job.partition_region)
+            return True
+        if trace_blocks_once.inline(gm):
+            trace_blocks_once.forget_reuse()
+    if why not in ("off", "no regions"):
+        job.notes.append(f"keep_block_regions: blocks inlined before AOTAutograd ({why})")
+    return False
 
 
 def _refuse_nested_regions(gm: fx.GraphModule) -> None:

@@ -4,15 +4,17 @@ inlined copy. The backend inlines the partitioned forward and backward (trace_bl
 passes, which see the graphs they always saw.
 
 What zcompile adds to torch's machinery:
-- each region is partitioned by `partition` below, which runs zcompile's joint passes (tag_param_recompute) with
-  the region's parameter operands: a plain min-cut saves the transposes of gathered weights, which keeps every
-  gathered weight alive from the forward to the backward under ZeRO-3;
+- each region is partitioned by the backend's `partition_region` (`mark`), which runs zcompile's joint passes
+  (tag_param_recompute) with the region's parameter operands: a plain min-cut saves the transposes of gathered
+  weights, which keeps every gathered weight alive from the forward to the backward under ZeRO-3;
 - after inlining, the forward saves a region's parameter operand as the primal itself, under the region output's
   name: `inline_partitioned` gives the backward's placeholder the primal's name, by which the split passes find
   the parameters the backward gathers again;
 - the region HOP's autograd key re-traces the body at every call to refuse input mutation (~6 s of a 32-layer
   GPT's joint trace): `why_not_bodies` checks each distinct body once, `mutation_check_once` skips the per-call
-  check during zcompile's own AOTAutograd call.
+  check during zcompile's own AOTAutograd call;
+- where a region cannot stay one (`why_not`, `why_not_bodies`), the backend inlines the blocks first, as without
+  the key.
 """
 from __future__ import annotations
 
