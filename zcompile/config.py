@@ -96,8 +96,8 @@ SCHEMA: dict[str, Any] = {
                              "by itself on older torch); false: dynamo inlines every block"),
     "keep_block_regions": Key((bool,), False, "the blocks traced once stay regions through AOTAutograd: each "
                               "distinct block's forward+backward is traced and partitioned once, then inlined for "
-                              "the split passes (experimental; inlined first with bf16 mixed precision, tiling, or "
-                              "a block that writes its inputs)"),
+                              "the split passes (experimental; inlined first with bf16 mixed precision, tiling, "
+                              "random ops such as dropout in a block, or a block that writes its inputs)"),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
