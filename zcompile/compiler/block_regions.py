@@ -24,17 +24,10 @@ import torch
 import torch.fx as fx
 
 from zcompile.compiler import trace_blocks_once
+from zcompile.compiler.trace_blocks_once import body_of, calls
 from zcompile.errors import ZCompileError
 
 _ISG = torch.ops.higher_order.invoke_subgraph
-
-
-def calls(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ISG]
-
-
-def body_of(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
-    return getattr(gm, call.args[0].target)
 
 
 def operands(call: fx.Node) -> tuple:

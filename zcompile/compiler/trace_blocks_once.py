@@ -21,10 +21,8 @@ def inline(gm: fx.GraphModule) -> int:
     the block of its call. Returns how many calls were inlined."""
     count = 0
     inlined: set = set()
-    for call in list(gm.graph.nodes):
-        if call.op != "call_function" or call.target is not torch.ops.higher_order.invoke_subgraph:
-            continue
-        sub = getattr(gm, call.args[0].target)
+    for call in calls(gm):
+        sub = body_of(gm, call)
         if id(sub) not in inlined:  # one subgraph serves every block's call
             inlined.add(id(sub))
             count += inline(sub)
@@ -69,6 +67,15 @@ def inline(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+def calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The `invoke_subgraph` calls of `gm` (not inside other bodies)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
+
+
+def body_of(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
+    return getattr(gm, call.args[0].target)
 
 
 def forget_reuse() -> None:
