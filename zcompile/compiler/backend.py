@@ -290,7 +290,8 @@ class _GraphCompile:
         with self.timed("partition"):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                          **kwargs)
-            if self.regions_kept:
+        if self.regions_kept:
+            with self.timed("inline regions"):  # with a fake propagation of the forward (inline_partitioned)
                 block_regions.inline_partitioned(fw, bw, num_fwd_outputs)
         self.num_fwd_outputs = num_fwd_outputs
         self.plan_persistence({"forward": fw, "backward": bw})
@@ -585,14 +586,15 @@ def _keep_regions(gm: fx.GraphModule, example_inputs: list, job: _GraphCompile, 
 def _refuse_nested_regions(gm: fx.GraphModule) -> None:
     """A region the user marked with torch.compiler.nested_compile_region reaches the backend as one opaque call
     (invoke_subgraph): its parameter uses are hidden from the passes, which would leave them unsharded."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph:
-            where = (n.meta.get("stack_trace") or "").strip().splitlines()[-2:]
-            raise ZCompileError(
-                "the model calls a torch.compiler.nested_compile_region (" + (" ".join(w.strip() for w in where)
-                                                                               or n.name)
-                + "): zcompile must see the parameter uses inside it to shard them. Remove the decorator: zcompile "
-                "compiles repeated blocks once by itself (regional_compile, docs/compile-time.md)")
+    found = trace_blocks_once.calls(gm)
+    if not found:
+        return
+    where = (found[0].meta.get("stack_trace") or "").strip().splitlines()[-2:]
+    raise ZCompileError(
+        "the model calls a torch.compiler.nested_compile_region (" + (" ".join(w.strip() for w in where)
+                                                                       or found[0].name)
+        + "): zcompile must see the parameter uses inside it to shard them. Remove the decorator: zcompile "
+        "compiles repeated blocks once by itself (regional_compile, docs/compile-time.md)")
 
 
 class _ParametersSharded(torch._dynamo.exc.RestartAnalysis, ZeroError):

@@ -67,7 +67,9 @@ def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
     HOP's own schema check does). A body that writes its operands: the HOP refuses training through it. Random
     ops (dropout): inductor seeds them in its joint passes, which a region's partition would run without the
     seeds zcompile threads through the outer graph (seed_random_ops)."""
+    from torch._guards import detect_fake_mode
     from torch._higher_order_ops.utils import check_input_alias_and_mutation_return_outputs, materialize_as_graph
+    # dynamo's fake values (symbolic sizes under dynamic shapes); example_inputs only where a node has none
     phs = {n: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)}
     done: set = set()
     for call in calls(gm):
@@ -75,14 +77,21 @@ def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
         if id(body) in done:
             continue
         done.add(id(body))
-        args = tuple(phs[a] if a in phs else a.meta.get("example_value") if isinstance(a, fx.Node) else a
-                     for a in operands(call))
-        traced = materialize_as_graph(body, args)
+        args = tuple(_example(a, phs) for a in operands(call))
+        fake_mode = detect_fake_mode(args)  # sizes may be symbolic: trace in their fake mode
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            traced = materialize_as_graph(body, args)
         if check_input_alias_and_mutation_return_outputs(traced)[3]:
             return "a block writes its inputs"
         if any(map(_draws_random, traced.graph.nodes)):
             return "random ops (dropout) in a block"
     return None
+
+
+def _example(arg, phs: dict):
+    if not isinstance(arg, fx.Node):
+        return arg
+    return arg.meta["example_value"] if "example_value" in arg.meta else phs[arg]
 
 
 def _draws_random(node: fx.Node) -> bool:
@@ -133,31 +142,62 @@ def mutation_check_once():
 
 
 def inline_partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
-    """Inline the region calls of a partitioned forward and backward. A region's forward hands its parameter
-    operands on to its backward, so the inlined forward saves the primal itself, under the region output's name:
-    the backward's placeholder of that name takes the primal's (the split passes find saved parameters by it,
-    PassContext.param_placeholders); a second save of one primal is left unused."""
+    """Inline the region calls of a partitioned forward and backward, then give each saved tensor one name in both
+    graphs again, as AOTAutograd's partition does (the split passes pair a saved forward value with the backward's
+    input by name: PassContext.param_placeholders, offload_activations). A region's forward hands its parameter
+    operands on to its backward, so the inlined forward saves the primal itself: the backward's input takes the
+    primal's name. Any other saved value takes a name free in both graphs. A second save of one value is left
+    unused."""
     names = [v.name if isinstance(v, fx.Node) else None for v in _saved(fw, num_fwd_outputs)]
     trace_blocks_once.inline(fw)
     trace_blocks_once.inline(bw)
-    by_name = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
-    for name, value in zip(names, _saved(fw, num_fwd_outputs)):
-        if name is None or value.op != "placeholder" or name == value.name or name not in by_name:
+    _propagate(fw)
+    inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    pairs = [(inputs[name], value) for name, value in zip(names, _saved(fw, num_fwd_outputs))
+             if name in inputs and isinstance(value, fx.Node)]
+    for ph, value in pairs:
+        ph.meta["val"] = value.meta["val"]
+    named = {value: ph for ph, value in pairs if ph.name == value.name}
+    for ph, value in pairs:
+        if ph.name == value.name:
             continue
-        old = by_name.pop(name)
-        if value.name in by_name:
-            old.replace_all_uses_with(by_name[value.name])
+        if value in named:
+            ph.replace_all_uses_with(named[value])
             continue
-        with bw.graph.inserting_before(old):
-            named = bw.graph.placeholder(value.name)
-        if named.name != value.name:
-            raise ZCompileError(f"backward graph: cannot name saved parameter {value.name} ({named.name})")
-        named.meta = dict(old.meta)
-        old.replace_all_uses_with(named)
-        bw.graph.erase_node(old)
-        by_name[value.name] = named
-    bw.graph.lint()
-    bw.recompile()
+        name = value.name if value.op == "placeholder" else _free_name(value, bw.graph)
+        value._rename(name)
+        with bw.graph.inserting_before(ph):
+            new = bw.graph.placeholder(name)
+        if new.name != name:
+            raise ZCompileError(f"backward graph: cannot name the saved value {name} ({new.name})")
+        new.meta = dict(ph.meta)
+        ph.replace_all_uses_with(new)
+        bw.graph.erase_node(ph)
+        named[value] = new
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _free_name(value: fx.Node, bw: fx.Graph) -> str:
+    """`value`'s name if the backward never used it, else a new one neither graph used (fx never frees a name)."""
+    fw_used, bw_used = value.graph._graph_namespace._used_names, bw._graph_namespace._used_names
+    if value.name not in bw_used:
+        return value.name
+    k = 0
+    while (name := f"{value.name}_saved" + (f"_{k}" if k else "")) in fw_used or name in bw_used:
+        k += 1
+    return name
+
+
+def _propagate(fw: fx.GraphModule) -> None:
+    """Fresh fake values for the inlined forward, handed on to the backward's saved inputs: torch's fake
+    invoke_subgraph returns the same values for every call of a body with the same inputs' metadata, so block 0's
+    and block 1's saved activations would share one fake storage, which the liveness plan counts once."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
+    FakeTensorProp(fw, detect_fake_mode(inputs)).propagate_dont_convert_inputs(*inputs)
 
 
 def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list:
