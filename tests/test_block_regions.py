@@ -39,12 +39,9 @@ def _train(rank: int, world: int, name: str, config: dict, steps: int) -> dict:
             "saved gathered": sum(_saved_gathered(job.final["forward"], job.num_fwd_outputs) for job in jobs
                                   if "forward" in job.final),
             "offloaded": sum(len(job.offloaded) for job in jobs),
-            "reloaded": sum(_calls(job.final["backward"], torch.ops.zcompile.to_device.default) for job in jobs
-                            if "backward" in job.final)}
-
-
-def _calls(gm, op) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+            "reloaded": sum(len(job.final["backward"].graph.find_nodes(
+                op="call_function", target=torch.ops.zcompile.to_device.default)) for job in jobs
+                if "backward" in job.final)}
 
 
 def _kept_and(rank: int, world: int, fn, *args):
