@@ -49,11 +49,12 @@ SYSTEMS = {
     "torch_compile_1proc": None,  # plain torch.compile, one process, no sharding: the floor
     "fsdp2_compile": compare.setup_fsdp2_compile,  # fully_shard per block + torch.compile(model)
     "zcompile_z2": compare._zcompile(2),
-    "zcompile_z3": compare._zcompile(3),  # regional_compile 'auto'
+    "zcompile_z3": compare._zcompile(3),  # regional_compile and keep_block_regions 'auto'
     "zcompile_z3_regional": compare._zcompile(3, regional_compile=True),  # regions at any depth
     "zcompile_z3_trace_every_block": compare._zcompile(3, trace_blocks_once=False),  # dynamo inlines each block
-    # AOTAutograd traces and partitions each distinct block once
+    # AOTAutograd traces and partitions each distinct block once, or every block's inlined copy
     "zcompile_z3_keep_block_regions": compare._zcompile(3, keep_block_regions=True),
+    "zcompile_z3_inline_block_regions": compare._zcompile(3, keep_block_regions=False),
     "zcompile_z3_whole_graph": compare.SETUP["zcompile_z3_whole_graph"],  # one inductor graph per fw/bw
     "zcompile_z3_zeropp": compare.setup_zeropp,
     "zcompile_z3_eager_graphs": compare._zcompile(3, backend="eager"),  # everything but inductor: tracing, passes

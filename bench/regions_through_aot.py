@@ -5,7 +5,7 @@ It prints, for rank 0: first step, dynamo / backend / AOTAutograd joint trace se
 of 3 steps, and how many of the tensors the partitioned forward saves for the backward are parameters (the backward
 gathers them again) or views of gathered parameters (those keep the whole parameter alive until the backward).
 
-    python bench/regions_through_aot.py 32 inline     # keep_block_regions: false (the default)
+    python bench/regions_through_aot.py 32 inline     # keep_block_regions: false
     python bench/regions_through_aot.py 32 keep
 """
 import argparse

@@ -79,18 +79,34 @@ def test_blocks_with_dropout_are_inlined_first_and_say_why():
     assert all(map(torch.isfinite, map(torch.tensor, res["losses"])))
 
 
+def _marked(depth: int):
+    marked = Net(depth)
+    marked.blocks = torch.nn.ModuleList(MarkedBlock(16) for _ in range(depth))
+    return _dynamo_graph(marked, torch.randn(4, 16))
+
+
 def test_why_regions_are_inlined_first():
-    marked = Net(3)
-    marked.blocks = torch.nn.ModuleList(MarkedBlock(16) for _ in range(3))
-    gm = _dynamo_graph(marked, torch.randn(4, 16))
+    gm = _marked(3)
     keep = {"stage": 3, "keep_block_regions": True}
     assert block_regions.why_not(gm, zconfig.from_dict(keep)) is None
-    assert block_regions.why_not(gm, zconfig.from_dict({"stage": 3})) == "off"
+    assert block_regions.why_not(gm, zconfig.from_dict({"stage": 3, "keep_block_regions": False})) == "off"
     bf16 = zconfig.from_dict({**keep, "mixed_precision": {"param_dtype": "bf16"}})
     assert block_regions.why_not(gm, bf16) == "a dynamo-phase pass rewrites parameter uses"
     tiled = zconfig.from_dict({**keep, "tiling": {}})
     assert block_regions.why_not(gm, tiled) == "a dynamo-phase pass rewrites parameter uses"
     assert block_regions.why_not(_dynamo_graph(Net(3), torch.randn(4, 16)), zconfig.from_dict(keep)) == "no regions"
+
+
+def test_auto_keeps_the_regions_of_deep_models_only():
+    """The default, 'auto': a shallow model's blocks are inlined first (kept costs more than it saves there), a
+    block that repeats AUTO_MIN_CALLS times or more stays a region."""
+    auto = zconfig.from_dict({"stage": 3})
+    assert auto.keep_block_regions == "auto"
+    assert f"at least {block_regions.AUTO_MIN_CALLS} times" in zconfig.SCHEMA["keep_block_regions"].doc
+    few = block_regions.AUTO_MIN_CALLS - 1
+    assert block_regions.why_not(_marked(few), auto) == (
+        f"auto: a block repeats {few} times, fewer than {block_regions.AUTO_MIN_CALLS}")
+    assert block_regions.why_not(_marked(block_regions.AUTO_MIN_CALLS), auto) is None
 
 
 def test_kept_regions_with_activation_offload_reload_every_saved_activation():

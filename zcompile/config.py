@@ -94,10 +94,12 @@ SCHEMA: dict[str, Any] = {
                              "class) and stamps it out for the others (torch.compiler.nested_compile_region, then "
                              "inlined for the passes): dynamo's time stops growing with depth; torch >= 2.13 (off "
                              "by itself on older torch); false: dynamo inlines every block"),
-    "keep_block_regions": Key((bool,), False, "the blocks traced once stay regions through AOTAutograd: each "
+    "keep_block_regions": Key((str, bool), "auto", "the blocks traced once stay regions through AOTAutograd: each "
                               "distinct block's forward+backward is traced and partitioned once, then inlined for "
-                              "the split passes (experimental; inlined first with bf16 mixed precision, tiling, "
-                              "random ops such as dropout in a block, or a block that writes its inputs)"),
+                              "the split passes; 'auto': where a block repeats at least 16 times (deep models), true: "
+                              "always, false: never (the blocks are inlined first with bf16 mixed precision, tiling, "
+                              "random ops such as dropout in a block, or a block that writes its inputs)",
+                              choices=("auto", True, False)),
     "mixed_precision": Section({
         "param_dtype": Key((str,), "fp32", "compute dtype: fp32 or bf16", choices=tuple(DTYPES),
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
@@ -225,7 +227,7 @@ class Config:
     backend: str = SCHEMA["backend"].default
     regional_compile: str | bool = SCHEMA["regional_compile"].default
     trace_blocks_once: bool = SCHEMA["trace_blocks_once"].default
-    keep_block_regions: bool = SCHEMA["keep_block_regions"].default
+    keep_block_regions: str | bool = SCHEMA["keep_block_regions"].default
     mixed_precision: MixedPrecision = MixedPrecision()
     dump: str | None = SCHEMA["dump"].default
     pipeline: tuple[str, ...] | None = SCHEMA["pipeline"].default

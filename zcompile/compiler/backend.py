@@ -29,7 +29,6 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
@@ -38,6 +37,7 @@ from zcompile.compiler import block_regions, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
+from zcompile.compiler import fake_values
 from zcompile.compiler.dump import GraphDumper
 from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
 from zcompile.compiler.pass_context import PassContext
@@ -47,48 +47,6 @@ from zcompile.compiler.topology import Topology
 from zcompile.config import Stage, Tier
 
 _graph_ids = itertools.count()  # numbers graphs in dumps and messages, per process
-
-
-def _refresh_meta(gm: fx.GraphModule, inputs: list | None = None) -> list:
-    """Re-run fake propagation after the passes changed input shapes and added nodes; returns the fake inputs.
-
-    `inputs` overrides the placeholders' own values (AOTAutograd re-strides saved activations to the layout the
-    compiled forward really produces; the backward must be compiled for those strides).
-    """
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if inputs is None:
-        inputs = [n.meta["val"] for n in phs]
-    fake_mode = detect_fake_mode(inputs)
-    assert fake_mode is not None, "graph placeholders carry no fake values"
-    for n, v in zip(phs, inputs):
-        n.meta["val"] = v
-    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
-    return inputs
-
-
-def _propagated_for(phs: list[fx.Node], inputs: list) -> bool:
-    """Whether the graph's fake values already hold for `inputs`: the same fake mode and, input by input, the same
-    shapes and strides (a dynamic size: the same expression in the same symbols), dtypes and devices (then
-    re-propagating, seconds on a deep model and ~9x that with dynamic shapes, would change nothing)."""
-    vals = [n.meta.get("val") for n in phs]
-    if detect_fake_mode(vals) is not detect_fake_mode(inputs):
-        return False
-    for v, x in zip(vals, inputs):
-        if isinstance(v, torch.SymInt) and isinstance(x, torch.SymInt):
-            if _sizes((v,)) != _sizes((x,)):
-                return False
-            continue
-        if not (isinstance(v, torch.Tensor) and isinstance(x, torch.Tensor)):
-            return False
-        if (_sizes(v.shape) != _sizes(x.shape) or _sizes(v.stride()) != _sizes(x.stride())
-                or (v.dtype, v.device) != (x.dtype, x.device)):
-            return False
-    return True
-
-
-def _sizes(dims) -> tuple:
-    """Sizes to compare without guarding: ints, and a SymInt by its expression (== on SymInts would add a guard)."""
-    return tuple(d.node.expr if isinstance(d, torch.SymInt) else d for d in dims)
 
 
 def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
@@ -178,7 +136,7 @@ class _GraphCompile:
             collectives.mark_cross_node(gm, self.topology, range(self.ctx.world))
             _set_placeholder_vals(gm, pctx)
         with self.timed("fake propagation"):
-            _refresh_meta(gm)
+            fake_values.refresh(gm)
         if trial is None:
             self.final[kind] = gm
         return gm, pctx
@@ -348,9 +306,9 @@ class _GraphCompile:
         fake_inputs = [n.meta["val"] if n.name in pctx.own_placeholders or k >= len(example_inputs)
                        or not isinstance(example_inputs[k], torch.Tensor) else _on_tier(n, example_inputs[k])
                        for k, n in enumerate(phs)]
-        if not _propagated_for(phs, fake_inputs):
+        if not fake_values.hold_for(phs, fake_inputs):
             with self.timed("fake propagation"):
-                _refresh_meta(gm, fake_inputs)
+                fake_values.refresh(gm, fake_inputs)
         with self.timed("liveness"):
             planned = self.planned[kind] = liveness.analyze(gm)
         if not self.commit:

@@ -18,12 +18,13 @@ What zcompile adds to torch's machinery:
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import trace_blocks_once
+from zcompile.compiler import fake_values, trace_blocks_once
 from zcompile.compiler.trace_blocks_once import body_of, calls
 from zcompile.errors import ZCompileError
 
@@ -34,14 +35,24 @@ def operands(call: fx.Node) -> tuple:
     return call.args[2:]
 
 
+# keep_block_regions 'auto': kept where a block repeats at least this often. Each distinct block's joint trace and
+# partition is cheaper kept, but the inlined forward is propagated once more and the partitions differ a little
+# (docs/compile-time.md: kept cost a few seconds at 8 layers and saved ~10 s of the warm compile at 32).
+AUTO_MIN_CALLS = 16
+
+
 def why_not(gm: fx.GraphModule, cfg) -> str | None:
     """Why this dynamo graph's regions cannot stay regions (they are inlined first), or None. The dynamo-phase
     passes (mixed_precision's casts, tile_linears) rewrite parameter uses, which would sit inside the bodies."""
-    if not cfg.keep_block_regions:
+    if cfg.keep_block_regions is False:
         return "off"
     found = calls(gm)
     if not found:
         return "no regions"
+    if cfg.keep_block_regions == "auto":
+        most = max(collections.Counter(id(body_of(gm, c)) for c in found).values())
+        if most < AUTO_MIN_CALLS:
+            return f"auto: a block repeats {most} times, fewer than {AUTO_MIN_CALLS}"
     if cfg.mixed_precision.param_dtype != torch.float32 or cfg.tiling is not None:
         return "a dynamo-phase pass rewrites parameter uses"
     if any(calls(body_of(gm, c)) for c in found):
@@ -151,7 +162,9 @@ def inline_partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     names = [v.name if isinstance(v, fx.Node) else None for v in _saved(fw, num_fwd_outputs)]
     trace_blocks_once.inline(fw)
     trace_blocks_once.inline(bw)
-    _propagate(fw)
+    # torch's fake invoke_subgraph returns the same values for every call of a body with the same inputs' metadata:
+    # block 0's and block 1's saved activations would share one fake storage, which liveness counts once
+    fake_values.refresh(fw)
     inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
     pairs = [(inputs[name], value) for name, value in zip(names, _saved(fw, num_fwd_outputs))
              if name in inputs and isinstance(value, fx.Node)]
@@ -188,16 +201,6 @@ def _free_name(value: fx.Node, bw: fx.Graph) -> str:
     while (name := f"{value.name}_saved" + (f"_{k}" if k else "")) in fw_used or name in bw_used:
         k += 1
     return name
-
-
-def _propagate(fw: fx.GraphModule) -> None:
-    """Fresh fake values for the inlined forward, handed on to the backward's saved inputs: torch's fake
-    invoke_subgraph returns the same values for every call of a body with the same inputs' metadata, so block 0's
-    and block 1's saved activations would share one fake storage, which the liveness plan counts once."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
-    FakeTensorProp(fw, detect_fake_mode(inputs)).propagate_dont_convert_inputs(*inputs)
 
 
 def _saved(fw: fx.GraphModule, num_fwd_outputs: int) -> list:
