@@ -151,3 +151,33 @@ def test_kept_regions_with_dynamic_dims_that_differ_between_ranks():
         assert res["graphs"] == 1, res["graphs"]
         assert max_diff(res["params"], ref_params) < TOL, f"rank {rank}"
         assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
+
+
+def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int):
+    """_train, and how many distinct regions each regional compile built (compile_one stubbed: the regions run
+    eagerly, so the test pays no inductor compile)."""
+    from zcompile.compiler.backends import regions
+    counts, cut = [], regions.compile_regions
+
+    def compile_regions(gm, example_inputs, compile_one, *args, **kwargs):
+        counts.append(0)
+
+        def one(sub, fakes):
+            counts[-1] += 1
+            return regions._run_eagerly(sub)
+        return cut(gm, example_inputs, one, *args, **kwargs)
+    regions.compile_regions = compile_regions
+    return _train(rank, world, name, config, steps), counts
+
+
+def test_kept_regions_compile_one_forward_and_one_backward_block():
+    """Kept, every block is partitioned alike, so block 0's backward is the others' too: its region used to end with
+    the position embedding's gradient (a sum over the block's input gradient, module-less), which now goes with the
+    embeddings' backward; the forward and the backward each compile one block region (3 before)."""
+    ref_params, ref_losses = workers.reference("gpt3", 2, steps=2)
+    config = {"stage": 3, "backend": "inductor", "regional_compile": True, "keep_block_regions": True}
+    for rank, (res, counts) in enumerate(run_world(2, _regions_compiled, "gpt3", config, 2)):
+        assert res["kept"] and all(res["kept"]), res["kept"]
+        assert counts == [1, 1], counts  # forward, backward
+        assert max_diff(res["params"], ref_params) < TOL, rank
+        assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)

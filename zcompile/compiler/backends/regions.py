@@ -8,8 +8,9 @@ graph of its own with canonical names, so identical regions print the same code;
 first time its (code, input layouts) appears and reused for every other occurrence. What lies outside the blocks
 (embeddings, the final norm, head and loss, the collectives' glue between blocks) runs as its FX code, once per
 step, as FSDP2 with a per-block torch.compile runs it. Block regions doing the same work share one compile whatever
-each hands on to later regions. Cold compile then costs one block's forward and two blocks' backward (block 0's
-differs), at any depth.
+each hands on to later regions. Cold compile then costs one block's forward and one block's backward at any depth
+(two backward where the blocks were inlined before AOTAutograd: its partitioner saves block 0's first norm
+differently).
 
 The regions run in order from a flat list of slots; a value is dropped after its last use, as in one graph.
 """
@@ -68,9 +69,10 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
     for k, n in enumerate(nodes):
         live = {x for x in live if last[x] >= k}
         block = block_of(n)
-        cut = (block and block not in seen) or (block == "" and in_block[-1])
+        into_block = bool(block) and block not in seen
+        cut = into_block or (block == "" and in_block[-1])
         if cut and regions[-1] and all(isinstance(x.meta.get("val"), (torch.Tensor, torch.SymInt)) for x in live):
-            carried = _trailing_glue(regions[-1])
+            carried = _trailing_glue(regions[-1], into_block)
             regions[-1] = [x for x in regions[-1] if x not in carried]
             regions.append([])
             in_block.append(False)
@@ -94,10 +96,14 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
     return [r for r, _ in out], [b for _, b in out]
 
 
-def _trailing_glue(region: list[fx.Node]) -> list[fx.Node]:
-    """The module-less nodes at the end of `region` that read nothing else the region computed (the wait for the
-    next module's bucket, its copy-out): they go with the region that follows, which reads them, so the block
-    before does not differ from the others by them."""
+def _trailing_glue(region: list[fx.Node], into_block: bool) -> list[fx.Node]:
+    """The module-less nodes at the end of `region` that go with the region that follows, so the block before does
+    not differ from the others by them: those that read nothing else the region computed (the wait for the next
+    module's bucket, its copy-out), and, where the blocks end (`into_block` false), work other than a collective
+    that only the modules after the blocks read (in the backward, block 0's region ended with the position
+    embedding's gradient, a sum over the block's input gradient, so block 0's backward compiled apart from the
+    others' where their partitions are the same: keep_block_regions). A graph's output stays: every block computes
+    its own (a weight gradient's transpose)."""
     inside, carried = set(region), []
     for n in reversed(region):
         if block_of(n) is not None:
@@ -108,7 +114,32 @@ def _trailing_glue(region: list[fx.Node]) -> list[fx.Node]:
     for n in carried:
         if all(a not in inside or a in moved for a in n.all_input_nodes):
             moved.add(n)
+    if not into_block:
+        moved |= _read_after_the_blocks(inside, [n for n in carried if n not in moved and not _communicates(n)])
     return [n for n in carried if n in moved]
+
+
+def _read_after_the_blocks(inside: set, candidates: list[fx.Node]) -> set[fx.Node]:
+    """The largest set of `candidates` that only later regions read and that read only what the region hands on
+    anyway (a value a later region reads) or each other: moving them adds no output to the region."""
+    moved = set(candidates)
+    changed = True
+    while changed:
+        changed = False
+        for n in list(moved):
+            users_ok = all(u.op != "output" and (u not in inside or u in moved) for u in n.users)
+            inputs_ok = all(a not in inside or a in moved or any(u not in inside for u in a.users)
+                            for a in n.all_input_nodes)
+            if not (users_ok and inputs_ok):
+                moved.discard(n)
+                changed = True
+    return moved
+
+
+def _communicates(n: fx.Node) -> bool:
+    """A collective or its wait: they stay where the passes' schedule put them."""
+    return KEY in n.meta or n.target is c10d.wait_tensor.default or (
+        isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional")
 
 
 def gather_issues(nodes: list[fx.Node]) -> set[fx.Node]:
