@@ -137,9 +137,11 @@ def _read_after_the_blocks(inside: set, candidates: list[fx.Node]) -> set[fx.Nod
 
 
 def _communicates(n: fx.Node) -> bool:
-    """A collective or its wait: they stay where the passes' schedule put them."""
-    return KEY in n.meta or n.target is c10d.wait_tensor.default or (
-        isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional")
+    """A collective, its wait, or a hold of its input to the wait (hold_collective_inputs, dropped from an eager
+    region): they stay where the passes' schedule put them."""
+    op = n.target
+    return KEY in n.meta or op is c10d.wait_tensor.default or (isinstance(op, torch._ops.OpOverload) and (
+        op.namespace == "_c10d_functional" or op.name() == "zcompile::held_until"))
 
 
 def gather_issues(nodes: list[fx.Node]) -> set[fx.Node]:
