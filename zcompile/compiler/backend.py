@@ -33,11 +33,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
-from zcompile.compiler import block_regions, trace_blocks_once
+from zcompile.compiler import block_regions, fake_values, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
-from zcompile.compiler import fake_values
 from zcompile.compiler.dump import GraphDumper
 from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
 from zcompile.compiler.pass_context import PassContext

@@ -137,11 +137,16 @@ def _read_after_the_blocks(inside: set, candidates: list[fx.Node]) -> set[fx.Nod
 
 
 def _communicates(n: fx.Node) -> bool:
-    """A collective, its wait, or a hold of its input to the wait (hold_collective_inputs, dropped from an eager
-    region): they stay where the passes' schedule put them."""
-    op = n.target
-    return KEY in n.meta or op is c10d.wait_tensor.default or (isinstance(op, torch._ops.OpOverload) and (
-        op.namespace == "_c10d_functional" or op.name() == "zcompile::held_until"))
+    """A collective, its wait (both _c10d_functional ops), or a hold of its input to the wait: they stay where the
+    passes' schedule put them."""
+    return KEY in n.meta or _holds(n) or (isinstance(n.target, torch._ops.OpOverload)
+                                          and n.target.namespace == "_c10d_functional")
+
+
+def _holds(n: fx.Node) -> bool:
+    """hold_collective_inputs' `zcompile::held_until` (by name: backends.inductor, which defines it, imports
+    inductor)."""
+    return isinstance(n.target, torch._ops.OpOverload) and n.target.name() == "zcompile::held_until"
 
 
 def gather_issues(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -366,7 +371,7 @@ def _run_eagerly(sub: fx.GraphModule) -> Callable:
         if n.target is inductor_prims.force_stride_order:
             n.replace_all_uses_with(n.args[0])
             sub.graph.erase_node(n)
-        elif isinstance(n.target, torch._ops.OpOverload) and n.target.name() == "zcompile::held_until":
+        elif _holds(n):
             sub.graph.erase_node(n)
     sub.recompile()
 
