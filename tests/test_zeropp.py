@@ -72,11 +72,26 @@ ZEROPP = {"quantize_weights": {}, "hpz_partition_size": 2, "quantize_gradients":
 
 def test_zeropp_under_inductor_matches_eager():
     """The quantize/dequantize custom ops, int8/int4 payload views, all-to-alls and the hpZ secondary-buffer write
-    compile with inductor (C++ on CPU); 4 ranks as 2 nodes x 2."""
+    compile with inductor (C++ on CPU); 4 ranks as 2 nodes x 2. Inductor's kernels differ from eager's in the last
+    bits (which, depends on the CPU's vector width), and qgZ's int4 rounding turns such a difference at a rounding
+    boundary into one quantization level: the gradients agree to 1e-6 but in a few elements (seen: 2 of ~30k on an
+    AVX-512 machine, none on AVX2), each within one level, which moves later losses by ~1e-4."""
     base = dict(ZEROPP, stage=3, backend="inductor", ranks_per_node=2)
+    compiled, eager = (run_world(4, workers.gradient_shards, "gpt", dict(base, backend=b))[0]
+                       for b in ("inductor", "eager"))
+    assert compiled.keys() == eager.keys()
+    apart = 0
+    for name, ref in eager.items():
+        diff = (compiled[name] - ref).abs()
+        level = ref.abs().max() / 7  # an int4 level of the block holding the tensor's largest gradient
+        assert diff.max() <= level, (name, diff.max().item(), level.item())
+        apart += int((diff > 1e-6).sum())
+    assert apart <= 0.001 * sum(g.numel() for g in eager.values()), apart
+
     compiled = run_world(4, workers.losses_and_traffic, "gpt", base, 3)[0]
     eager = run_world(4, workers.losses_and_traffic, "gpt", dict(base, backend="eager"), 3)[0]
-    assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-4)
+    assert compiled["losses"][0] == pytest.approx(eager["losses"][0], abs=1e-5)  # before any int4 gradient
+    assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-3)
     assert compiled["traffic"] == eager["traffic"]
 
 
