@@ -386,6 +386,31 @@ def test_blocks_that_differ_only_in_what_they_hand_on_share_one_compile():
         assert torch.equal(got, want)
 
 
+def test_regions_are_told_apart_by_their_work_and_built_once_per_distinct_one(monkeypatch):
+    """Blocks 0-2 do the same work, block 3 the same ops with another constant: two compiles. Regions are keyed
+    by their ops and arguments without building a module each (that cost seconds on a deep model): one module is
+    built per distinct region."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    h = x
+    for b in range(4):
+        a = _node(g, aten.sin.default, (h,), f"L['self'].blocks.{b}")
+        h = _node(g, aten.mul.Tensor, (a, 2.0 if b < 3 else 3.0), f"L['self'].blocks.{b}")
+        a.meta["val"] = h.meta["val"] = x.meta["val"]
+    g.output((h,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    built, build = [], regions._region_module
+    monkeypatch.setattr(regions, "_region_module", lambda *a: built.append(a) or build(*a))
+    compiled = []
+    program = regions.compile_regions(gm, [x.meta["val"]],
+                                      lambda sub, fakes: compiled.append(sub) or make_boxed_func(sub.forward))
+    assert (program.regions, program.compiled) == (4, 2), program.__dict__
+    assert len(built) == 2 and "3.0" in compiled[1].code and "3.0" not in compiled[0].code
+    assert torch.equal(program([x.meta["val"]])[0], gm(x.meta["val"])[0])
+
+
 def test_a_graph_without_blocks_is_compiled_as_one_region():
     g = fx.Graph()
     x = g.placeholder("x")

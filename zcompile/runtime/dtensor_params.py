@@ -481,9 +481,7 @@ def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.Shard
             for i, arg in enumerate(_operands(use)):
                 if arg is ph:
                     _collapse(body, inner[i], zp, fake)
-            body.graph.lint()
-            body.recompile()
-            continue
+            continue  # the body recompiles once, in _drop_unused_operands (once per parameter cost seconds)
         if not _calls(use, "redistribute") or not all(_calls(u, "to_local") for u in use.users):
             raise ZCompileError(
                 f"parameter {ph.name} of shape {list(zp.shape)} is used as a DTensor inside the compiled region "

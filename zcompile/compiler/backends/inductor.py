@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._inductor import inductor_prims
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from zcompile.compiler import collectives
 from zcompile.compiler.backends import warmup
@@ -56,4 +57,5 @@ def hold_collective_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         last_wait = max(waits, key=order.__getitem__)
         with graph.inserting_after(last_wait):
             graph.call_function(torch.ops.zcompile.held_until.default, (held, last_wait)).meta["val"] = None
-    return fx.GraphModule(gm, graph)
+    with _use_lazy_graph_module(True):  # its code is generated only if run: compile_regions reads the graph
+        return _make_graph_module(gm, graph)

@@ -213,6 +213,35 @@ def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
     return fx.GraphModule(gm, g)
 
 
+def _region_key(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+                const: set[fx.Node]) -> tuple:
+    """What _region_module(gm, nodes, inputs, outputs, const) computes, without building it: its nodes in the same
+    order, each as (op, target, arguments by position in the region), and its outputs. Two regions with equal keys
+    print the same code (and read the same constants); building a module per region to compare code cost seconds
+    on a deep model (the code generation of each)."""
+    at = {x: k for k, x in enumerate(inputs)}
+    ops: list[tuple] = []
+
+    def arg(a: fx.Node) -> int:
+        if a not in at and a.op == "get_attr":
+            ops.append(("get_attr", a.target, id(getattr(gm, a.target))))
+            at[a] = len(at)
+        elif a not in at and a in const:
+            copy(a)
+        return at[a]
+
+    def copy(n: fx.Node) -> None:
+        args = repr(fx.map_arg((n.args, n.kwargs), arg))
+        ops.append((n.op, n.target, args))
+        at[n] = len(at)
+
+    wanted = set(outputs)
+    for n in nodes:
+        if n not in at and (n not in const or n in wanted):
+            copy(n)
+    return len(inputs), tuple(ops), tuple(arg(o) for o in outputs)
+
+
 def _inputs(nodes: list[fx.Node], const: set[fx.Node], size_of: dict) -> list[fx.Node]:
     """What a region reads from outside it, plus the graph's size inputs (SymInt placeholders) of every dynamic
     dim in those values' shapes: inductor binds a size symbol from a SymInt argument, and its FX graph cache
@@ -304,25 +333,23 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     compiled_here = holds_block if any(holds_block) else [True] * len(regions)
     wanted = [[n for n in nodes if n in last_reader or n in kept] for nodes in regions]
     returned = _union_outputs(gm, regions, region_inputs, wanted, compiled_here, const)
-    planned = []  # (region module, key, inputs, outputs returned, compiled) per region
+    planned = []  # (key, nodes, inputs, outputs returned, compiled) per region
     for nodes, inputs, outputs, compiled in zip(regions, region_inputs, returned, compiled_here):
-        sub = _region_module(gm, nodes, inputs, outputs, const)
-        consts = tuple(id(getattr(gm, n.target)) for n in sub.graph.nodes if n.op == "get_attr")
-        planned.append((sub, (sub.code, tuple(_layout(x.meta["val"]) for x in inputs), consts), inputs, outputs,
-                        compiled))
-    keys = [key for _, key, _, _, compiled in planned if compiled]
+        key = (_region_key(gm, nodes, inputs, outputs, const), tuple(_layout(x.meta["val"]) for x in inputs))
+        planned.append((key, nodes, inputs, outputs, compiled))
+    keys = [key for key, _, _, _, compiled in planned if compiled]
     if len(keys) < min_reuse * len(set(keys)):
         return None
-    cache: dict[tuple, Callable] = {}
+    cache: dict[tuple, Callable] = {}  # compiled regions by key
+    eager: dict[tuple, Callable] = {}  # regions run eagerly by key: one module serves every region doing the same
     steps = []
     with _no_output_strides():
-        for r, (sub, key, inputs, outputs, compiled) in enumerate(planned):
-            if not compiled:
-                fn = _run_eagerly(sub)
-            else:
-                if key not in cache:
-                    cache[key] = compile_one(sub, [x.meta["val"] for x in inputs])
-                fn = cache[key]
+        for r, (key, nodes, inputs, outputs, compiled) in enumerate(planned):
+            found = cache if compiled else eager
+            if key not in found:
+                sub = _region_module(gm, nodes, inputs, outputs, const)
+                found[key] = compile_one(sub, [x.meta["val"] for x in inputs]) if compiled else _run_eagerly(sub)
+            fn = found[key]
             mine = set(wanted[r])
             steps.append((fn, [slot[x] for x in inputs], [slot[o] if o in mine else None for o in outputs],
                           frees.get(r, [])))
@@ -350,8 +377,7 @@ def _union_outputs(gm: fx.GraphModule, regions: list, region_inputs: list, wante
         body, returned_consts = None, [o for o in outputs if o in const]  # computed here only because returned
         computed = [n for n in nodes if n not in const or n in returned_consts]
         if comp:
-            sub = _region_module(gm, nodes, inputs, returned_consts, const)
-            body = (sub.code, tuple(_layout(x.meta["val"]) for x in inputs))
+            body = (_region_key(gm, nodes, inputs, returned_consts, const), tuple(_layout(x.meta["val"]) for x in inputs))
             at = {n: k for k, n in enumerate(computed)}
             position.setdefault(body, set()).update(at[o] for o in outputs)
         bodies.append((body, computed))
