@@ -96,7 +96,7 @@ SCHEMA: dict[str, Any] = {
                              "by itself on older torch); false: dynamo inlines every block"),
     "keep_block_regions": Key((str, bool), "auto", "the blocks traced once stay regions through AOTAutograd: each "
                               "distinct block's forward+backward is traced and partitioned once, then inlined for "
-                              "the split passes; 'auto': where a block repeats at least 16 times (deep models), true: "
+                              "the split passes; 'auto': where a block repeats at least 8 times (deep models), true: "
                               "always, false: never (the blocks are inlined first with bf16 mixed precision, tiling, "
                               "random ops such as dropout in a block, or a block that writes its inputs)",
                               choices=("auto", True, False)),
