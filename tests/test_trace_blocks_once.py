@@ -83,11 +83,11 @@ def _train_sharded(rank: int, world: int, depth: int, shard_first: bool, block: 
     seen = []
     inline = tbo.inline
 
-    def counting(gm):
+    def counting(gm, **kwargs):
         calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
         if calls:
             seen.append((len(calls), len({id(getattr(gm, n.args[0].target)) for n in calls})))
-        return inline(gm)
+        return inline(gm, **kwargs)
 
     tbo.inline = counting
     try:

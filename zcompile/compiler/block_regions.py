@@ -161,8 +161,8 @@ def inline_partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     primal's name. Any other saved value takes a name free in both graphs. A second save of one value is left
     unused."""
     names = [v.name if isinstance(v, fx.Node) else None for v in _saved(fw, num_fwd_outputs)]
-    trace_blocks_once.inline(fw)
-    trace_blocks_once.inline(bw)
+    trace_blocks_once.inline(fw, recompile=False)  # both recompile below, after the renaming
+    trace_blocks_once.inline(bw, recompile=False)
     # torch's fake invoke_subgraph returns the same values for every call of a body with the same inputs' metadata:
     # block 0's and block 1's saved activations would share one fake storage, which liveness counts once
     fake_values.refresh(fw)
