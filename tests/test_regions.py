@@ -146,6 +146,14 @@ def test_each_value_is_dropped_after_its_last_reader():
         assert p._boxed_call  # AOTAutograd hands it the argument list, which it clears (inputs die early)
 
 
+def _input_graph() -> tuple[fx.Graph, fx.Node]:
+    """A new graph with one 4x4 input `x` (its value real: the regions run eagerly on it)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    return g, x
+
+
 def _node(g: fx.Graph, target, args, block: str) -> fx.Node:
     n = g.call_function(target, args)
     n.meta["nn_module_stack"] = {block: (block, Block)}
@@ -341,9 +349,7 @@ def test_a_block_seen_again_after_the_blocks_runs_eagerly_with_the_head():
     """The partitioner puts some saved activations' transposes (nodes of an earlier block) after the head: they stay
     in the head's region, which still runs eagerly (ZeRO++ and stage 2 compiled one more region before)."""
     aten = torch.ops.aten
-    g = fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = torch.randn(4, 4)
+    g, x = _input_graph()
     h = x
     for b in range(4):
         h = _node(g, aten.sin.default, (h,), f"L['self'].blocks.{b}")
@@ -365,9 +371,7 @@ def test_blocks_that_differ_only_in_what_they_hand_on_share_one_compile():
     another, block 2 neither: the same work, so one compiled region returns all of them and each occurrence keeps
     what it hands on."""
     aten = torch.ops.aten
-    g = fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = torch.randn(4, 4)
+    g, x = _input_graph()
     h, kept = x, []
     for b in range(3):
         a = _node(g, aten.sin.default, (h,), f"L['self'].blocks.{b}")
@@ -391,9 +395,7 @@ def test_regions_are_told_apart_by_their_work_and_built_once_per_distinct_one(mo
     by their ops and arguments without building a module each (that cost seconds on a deep model): one module is
     built per distinct region."""
     aten = torch.ops.aten
-    g = fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = torch.randn(4, 4)
+    g, x = _input_graph()
     h = x
     for b in range(4):
         a = _node(g, aten.sin.default, (h,), f"L['self'].blocks.{b}")
@@ -412,9 +414,7 @@ def test_regions_are_told_apart_by_their_work_and_built_once_per_distinct_one(mo
 
 
 def test_a_graph_without_blocks_is_compiled_as_one_region():
-    g = fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = torch.randn(4, 4)
+    g, x = _input_graph()
     y = _node(g, torch.ops.aten.sin.default, (x,), "L['self'].inp")
     y.meta["val"] = x.meta["val"]
     g.output((y,))
