@@ -377,7 +377,8 @@ def _union_outputs(gm: fx.GraphModule, regions: list, region_inputs: list, wante
         body, returned_consts = None, [o for o in outputs if o in const]  # computed here only because returned
         computed = [n for n in nodes if n not in const or n in returned_consts]
         if comp:
-            body = (_region_key(gm, nodes, inputs, returned_consts, const), tuple(_layout(x.meta["val"]) for x in inputs))
+            body = (_region_key(gm, nodes, inputs, returned_consts, const),
+                    tuple(_layout(x.meta["val"]) for x in inputs))
             at = {n: k for k, n in enumerate(computed)}
             position.setdefault(body, set()).update(at[o] for o in outputs)
         bodies.append((body, computed))
