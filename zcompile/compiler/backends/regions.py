@@ -180,6 +180,35 @@ def constants(graph: fx.Graph) -> set[fx.Node]:
     return const
 
 
+def _copy_order(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+                const: set[fx.Node]) -> list[fx.Node]:
+    """The nodes a region's own graph holds after its `inputs`, in the order they are created: each node of the
+    region, a constant computed in another region recomputed (and a get_attr read) where first needed, a constant
+    computed here only if it is returned (else where read). One order for building a region and for keying it."""
+    placed, order = set(inputs), []
+
+    def need(a: fx.Node) -> None:
+        if a in placed:
+            return
+        if a.op != "get_attr" and a not in const:
+            raise KeyError(f"region reads {a.name} before it is computed")
+        place(a)
+
+    def place(n: fx.Node) -> None:
+        for a in n.all_input_nodes:
+            need(a)
+        placed.add(n)
+        order.append(n)
+
+    wanted = set(outputs)
+    for n in nodes:
+        if n not in placed and (n not in const or n in wanted):
+            place(n)
+    for o in outputs:
+        need(o)
+    return order
+
+
 def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
                    const: set[fx.Node]) -> fx.GraphModule:
     """`nodes` as a graph of their own: `inputs` become placeholders, `outputs` the outputs, constants of other
@@ -190,56 +219,30 @@ def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
     for k, x in enumerate(inputs):
         env[x] = g.placeholder(f"in{k}")
         env[x].meta["val"] = x.meta["val"]
-
-    def copy(n: fx.Node) -> fx.Node:
-        args, kwargs = fx.map_arg((n.args, n.kwargs), arg)
-        new = g.create_node(n.op, n.target, args, kwargs)
-        new.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
-        return new
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a not in env and a.op == "get_attr":  # a constant of the graph: each region reads its own copy
-            env[a] = g.get_attr(a.target)
-            env[a].meta.update({k: v for k, v in a.meta.items() if k == "val"})
-        elif a not in env and a in const:  # computed in another region: recompute it here
-            env[a] = copy(a)
-        return env[a]
-
-    wanted = set(outputs)
-    for n in nodes:
-        if n not in env and (n not in const or n in wanted):  # a constant is computed where first read, as above
-            env[n] = copy(n)
-    g.output(tuple(arg(o) for o in outputs))
+    for n in _copy_order(nodes, inputs, outputs, const):
+        if n.op == "get_attr":  # a constant of the graph: each region reads its own copy
+            env[n] = g.get_attr(n.target)
+            env[n].meta.update({k: v for k, v in n.meta.items() if k == "val"})
+        else:
+            env[n] = g.create_node(n.op, n.target, *fx.map_arg((n.args, n.kwargs), env.__getitem__))
+            env[n].meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
+    g.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(gm, g)
 
 
 def _region_key(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
                 const: set[fx.Node]) -> tuple:
-    """What _region_module(gm, nodes, inputs, outputs, const) computes, without building it: its nodes in the same
+    """What _region_module(gm, nodes, inputs, outputs, const) builds, without building it: its nodes in the same
     order, each as (op, target, arguments by position in the region), and its outputs. Two regions with equal keys
     print the same code (and read the same constants); building a module per region to compare code cost seconds
     on a deep model (the code generation of each)."""
     at = {x: k for k, x in enumerate(inputs)}
-    ops: list[tuple] = []
-
-    def arg(a: fx.Node) -> int:
-        if a not in at and a.op == "get_attr":
-            ops.append(("get_attr", a.target, id(getattr(gm, a.target))))
-            at[a] = len(at)
-        elif a not in at and a in const:
-            copy(a)
-        return at[a]
-
-    def copy(n: fx.Node) -> None:
-        args = repr(fx.map_arg((n.args, n.kwargs), arg))
-        ops.append((n.op, n.target, args))
+    ops = []
+    for n in _copy_order(nodes, inputs, outputs, const):
+        ops.append(("get_attr", n.target, id(getattr(gm, n.target))) if n.op == "get_attr"
+                   else (n.op, n.target, repr(fx.map_arg((n.args, n.kwargs), at.__getitem__))))
         at[n] = len(at)
-
-    wanted = set(outputs)
-    for n in nodes:
-        if n not in at and (n not in const or n in wanted):
-            copy(n)
-    return len(inputs), tuple(ops), tuple(arg(o) for o in outputs)
+    return len(inputs), tuple(ops), tuple(at[o] for o in outputs)
 
 
 def _inputs(nodes: list[fx.Node], const: set[fx.Node], size_of: dict) -> list[fx.Node]:
