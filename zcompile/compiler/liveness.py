@@ -9,6 +9,7 @@ device memory and are not counted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.fx as fx
@@ -91,13 +92,23 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
         return None
     if node.target is torch.ops._c10d_functional.wait_tensor.default:
         return node.args[0]
-    returns = node.target._schema.returns
+    aliased = _aliased_argument(node.target)
+    if aliased is None:
+        return None
+    i, name = aliased
+    src = node.kwargs.get(name) if name in node.kwargs else (node.args[i] if i < len(node.args) else None)
+    return src if isinstance(src, fx.Node) else None
+
+
+@functools.cache
+def _aliased_argument(op: torch._ops.OpOverload) -> tuple[int, str] | None:
+    """(position, name) of the argument whose storage the op's single output is, by its schema; None if none."""
+    returns = op._schema.returns
     if len(returns) != 1 or returns[0].alias_info is None:
         return None
-    for i, arg in enumerate(node.target._schema.arguments):
+    for i, arg in enumerate(op._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.before_set & returns[0].alias_info.before_set:
-            src = node.kwargs.get(arg.name) if arg.name in node.kwargs else (node.args[i] if i < len(node.args) else None)
-            return src if isinstance(src, fx.Node) else None
+            return i, arg.name
     return None
 
 
