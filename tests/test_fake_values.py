@@ -89,6 +89,28 @@ def test_repeated_blocks_get_the_values_fake_tensor_prop_gives_them(tracing_mode
     assert not ops & {torch.ops.aten.resize_.default, torch.ops.aten.t_.default, torch.ops.aten.view.dtype}
 
 
+def _adds_into(x):
+    c1 = x.new_zeros(8, 8)
+    torch.add(c1.view(8, 8), x, out=c1)  # its first input is its output's storage
+    c2, a2 = x.new_zeros(8, 8), x.new_zeros(8, 8)
+    torch.add(a2, x, out=c2)  # the same layouts, three storages: the output is c2's, not a2's
+    return c1 + c2
+
+
+def test_an_output_aliases_the_input_it_aliased_when_the_inputs_share_storage_differently():
+    gm = make_fx(_adds_into, tracing_mode="fake")(torch.randn(8, 8))
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.out]
+    assert len(adds) == 2
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    mode = torch._guards.detect_fake_mode(inputs)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    expected = _describe(gm)
+    fake_values.RepeatedLayoutProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    assert _describe(gm) == expected
+    out, c2 = adds[1].meta["val"], adds[1].kwargs["out"].meta["val"]
+    assert out.untyped_storage()._cdata == c2.untyped_storage()._cdata
+
+
 def test_refresh_sets_every_nodes_value_after_a_rewrite():
     gm = _traced()
     mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)

@@ -64,7 +64,7 @@ class RepeatedLayoutProp(FakeTensorProp):
     def __init__(self, module: fx.GraphModule, mode):
         super().__init__(module, mode)
         self._layouts: dict[int, tuple] = {}  # id(tensor) -> layout key, for the values this run holds
-        self._memo: dict[tuple, tuple] = {}   # (op, argument keys) -> recipe of its outputs
+        self._memo: dict[tuple, tuple] = {}   # (op, argument keys, storage sharing) -> recipe of its outputs
         self.rebuilt: list[fx.Node] = []  # nodes whose values were rebuilt from an earlier node's layouts
 
     def run_node(self, n: fx.Node):
@@ -75,15 +75,16 @@ class RepeatedLayoutProp(FakeTensorProp):
                     if a.meta.get("val") is self.env[a]:
                         a.meta["val"] = snapshot_fake(self.env[a])
             return super().run_node(n)
+        flat_in = _tensors(n.args, n.kwargs, self.env)
+        key = key, _sharing(flat_in)  # an output may alias an input: which inputs share a storage matters too
         recipe = self._memo.get(key)
         if recipe is not None:
-            flat_in = _tensors(n.args, n.kwargs, self.env)
             out = _build(recipe, flat_in, self._mode)
             n.meta["val"] = fx.node.map_aggregate(out, lambda v: v)  # a list as FakeTensorProp stores it
             self.rebuilt.append(n)
             return out
         result = super().run_node(n)
-        recipe = _recipe(result, _tensors(n.args, n.kwargs, self.env))
+        recipe = _recipe(result, flat_in)
         if recipe is not None:
             self._memo[key] = recipe
         return result
@@ -140,6 +141,12 @@ def _tensors(args, kwargs, env) -> list:
     out = []
     fx.node.map_arg((args, kwargs), lambda n: out.append(env[n]))
     return [v for v in out if isinstance(v, torch.Tensor)]
+
+
+def _sharing(tensors: list) -> tuple:
+    """For each tensor, the position of the first one with its storage."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(t.untyped_storage()._cdata, k) for k, t in enumerate(tensors))
 
 
 def _recipe(result, inputs: list) -> tuple | None:
