@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def refresh(gm: fx.GraphModule, inputs: list | None = None) -> list:
@@ -54,9 +54,10 @@ def _sizes(dims) -> tuple:
 
 
 class RepeatedLayoutProp(FakeTensorProp):
-    """FakeTensorProp that runs each distinct (op, input layouts, constant arguments) once per graph: a later node
-    with the same ones (the next block's copy of a node) gets new fake tensors of the layouts the first produced,
-    built directly (a meta tensor each, no dispatch), aliasing the same input or output as the first one's did.
+    """FakeTensorProp that runs each distinct (op, input layouts, which inputs share a storage, constant arguments)
+    once per graph: a later node with the same ones (the next block's copy of a node) gets new fake tensors of the
+    layouts the first produced, built directly (a meta tensor each, no dispatch), aliasing the same input or output
+    as the first one's did.
     A deep model's graph repeats every block's nodes; FakeTensor's own dispatch cache still builds a key and
     rebuilds its output through ~700 Python calls per node. Dynamic sizes, outputs that are not tensors and ops
     that change a tensor's metadata in place run through FakeTensorProp as before."""
@@ -68,12 +69,13 @@ class RepeatedLayoutProp(FakeTensorProp):
         self.rebuilt: list[fx.Node] = []  # nodes whose values were rebuilt from an earlier node's layouts
 
     def run_node(self, n: fx.Node):
+        if _writes_metadata(n):  # a rebuilt input's node holds its env value itself: keep it as it was
+            for a in n.all_input_nodes:
+                if a.meta.get("val") is self.env[a]:
+                    a.meta["val"] = snapshot_fake(self.env[a])
+            return super().run_node(n)
         key = self._key(n)
         if key is None:
-            if _writes_metadata(n):  # a rebuilt input's node holds its env value itself: keep it as it was
-                for a in n.all_input_nodes:
-                    if a.meta.get("val") is self.env[a]:
-                        a.meta["val"] = snapshot_fake(self.env[a])
             return super().run_node(n)
         flat_in = _tensors(n.args, n.kwargs, self.env)
         key = key, _sharing(flat_in)  # an output may alias an input: which inputs share a storage matters too
@@ -91,7 +93,7 @@ class RepeatedLayoutProp(FakeTensorProp):
 
     def _key(self, n: fx.Node) -> tuple | None:
         op = n.target
-        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or _writes_metadata(n):
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
             return None
         try:
             return op, self._arg_key(n.args), self._arg_key(tuple(sorted(n.kwargs.items())))
@@ -112,7 +114,7 @@ class RepeatedLayoutProp(FakeTensorProp):
         k = self._layouts.get(id(v))
         if k is not None and k[0] is v:
             return k[1]
-        if not isinstance(v, FakeTensor) or v.constant is not None or type(v) is not FakeTensor:
+        if type(v) is not FakeTensor or v.constant is not None:
             raise _NotKeyable
         shape, stride, offset = tuple(v.shape), v.stride(), v.storage_offset()
         if not all(type(d) is int for d in (*shape, *stride, offset)):
@@ -143,10 +145,15 @@ def _tensors(args, kwargs, env) -> list:
     return [v for v in out if isinstance(v, torch.Tensor)]
 
 
+def _storage(t: torch.Tensor) -> int:
+    """Which storage `t` is (the values compared are alive for the whole propagation)."""
+    return t.untyped_storage()._cdata
+
+
 def _sharing(tensors: list) -> tuple:
     """For each tensor, the position of the first one with its storage."""
     first: dict[int, int] = {}
-    return tuple(first.setdefault(t.untyped_storage()._cdata, k) for k, t in enumerate(tensors))
+    return tuple(first.setdefault(_storage(t), k) for k, t in enumerate(tensors))
 
 
 def _recipe(result, inputs: list) -> tuple | None:
@@ -156,8 +163,8 @@ def _recipe(result, inputs: list) -> tuple | None:
     outs = [result] if single else result
     if not isinstance(outs, (tuple, list)):
         return None
-    in_storages = [StorageWeakRef(x.untyped_storage()) for x in inputs]
-    seen: list = []
+    in_storages = [_storage(x) for x in inputs]
+    seen: list = []  # each output's storage, None for a None output
     parts = []
     for o in outs:
         if o is None:
@@ -170,30 +177,21 @@ def _recipe(result, inputs: list) -> tuple | None:
         nbytes = o.untyped_storage().nbytes()
         if not all(type(d) is int for d in (*shape, *stride, offset, nbytes)):
             return None
-        ref = StorageWeakRef(o.untyped_storage())
-        if (k := _index(in_storages, ref)) is not None:
+        ref = _storage(o)
+        if ref in in_storages:
+            k = in_storages.index(ref)
             source, same_dtype = ("input", k), inputs[k].dtype == o.dtype
-        elif (k := _index(seen, ref)) is not None:
+        elif ref in seen:
+            k = seen.index(ref)
             source, same_dtype = ("output", k), outs[k].dtype == o.dtype
         else:
-            fresh = offset == 0 and nbytes == _extent(shape, stride) * o.dtype.itemsize
+            fresh = offset == 0 and nbytes == compute_required_storage_length(shape, stride, 0) * o.dtype.itemsize
             source, same_dtype = ("new", None if fresh else nbytes), nbytes % o.dtype.itemsize == 0
         if not same_dtype:
             return None  # a view as another dtype: as_strided keeps the base's
         seen.append(ref)
         parts.append((shape, stride, offset, o.dtype, o.device, source))
     return single, type(result), tuple(parts)
-
-
-def _index(refs: list, ref) -> int | None:
-    return next((k for k, r in enumerate(refs) if r is not None and r == ref), None)
-
-
-def _extent(shape, stride) -> int:
-    """Elements a tensor of this layout spans from its offset (torch.empty_strided allocates this many)."""
-    if any(d == 0 for d in shape):
-        return 0
-    return 1 + sum((d - 1) * s for d, s in zip(shape, stride))
 
 
 def _build(recipe: tuple, inputs: list, mode):
