@@ -193,10 +193,10 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
                               "use full_state_dict() to move between world sizes")
     else:
         _load_sharded(directory, mine, model, optimizer, cfg, ctx)
-    if same_world:
-        torch.set_rng_state(mine["rng"]["cpu"])
+    if same_world:  # the rank file was loaded onto ctx.device; generators take their state as a CPU ByteTensor
+        torch.set_rng_state(mine["rng"]["cpu"].cpu())
         if "cuda" in mine["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(mine["rng"]["cuda"])
+            torch.cuda.set_rng_state(mine["rng"]["cuda"].cpu())
     dist.barrier(group=ctx.group)
     return mine["extra"]
 
