@@ -457,3 +457,29 @@ def planned_peaks(rank: int, world: int, config: dict) -> dict:
         model(idx, targets).loss.backward()
         out[name] = zcompile.planned_step_peak()
     return out
+
+
+def collector_during_compile(rank: int, world: int) -> dict:
+    """Whether Python's garbage collector was on while each graph's passes ran (forward in the backend call,
+    backward at the first backward) and after the step; then the same around a compile that fails."""
+    import gc
+    from zcompile.compiler import passes
+    seen, run_phase = {}, passes.run_phase
+
+    def spy(phase, gm, pctx, on_pass=None):
+        seen.setdefault(pctx.kind, gc.isenabled())
+        return run_phase(phase, gm, pctx, on_pass)
+    passes.run_phase = spy
+    try:
+        model, _, _ = train(rank, world, "gpt", {"stage": 3, "backend": "eager"}, 1)
+    finally:
+        passes.run_phase = run_phase
+    seen["after the step"] = gc.isenabled()
+    bad = torch.compile(build_model("gpt"), backend="zero", options={"config": {"stage": 3, "prefetch": -1}})
+    try:
+        loss_of(bad, "gpt", rank_slice(global_batch(0, world), rank, world))
+        seen["failed compile"] = "did not fail"
+    except Exception as e:
+        seen["failed compile"] = type(e).__name__
+    seen["after the failed compile"] = gc.isenabled()
+    return seen
