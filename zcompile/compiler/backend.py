@@ -471,7 +471,8 @@ def dry_backend(cfg: zconfig.Config, ctx: DistContext, jobs: list):
     appended to `jobs`, and running the result returns meta tensors. For zcompile plan (use schedule_check=False:
     there is no group to agree over)."""
     def backend(gm: fx.GraphModule, example_inputs):
-        job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=False)
+        with collector_paused():
+            job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=False)
         jobs.append(job)
         return run
     return backend
