@@ -16,6 +16,7 @@ def test_resume_is_bit_identical(tmp_path, name, stage):
     for res in results:
         assert res["kind"] == "dcp"
         assert res["resumed"] == res["continued"]  # exact float equality of the losses
+        assert res["extra_rng_restored"]  # a host generator's state in `extra` restores
         for k in res["full"]:
             assert torch.equal(res["full"][k], res["resumed_full"][k]), k
     files = sorted(os.listdir(tmp_path / "ckpt"))
@@ -27,7 +28,7 @@ def test_resume_is_bit_identical(tmp_path, name, stage):
         assert plain.lm_head.weight is plain.wte.weight
         # ... and the checkpoint at another world size (one rank holds every row), without compiling
         (one,) = run_world(1, workers.load_plain, str(tmp_path / "ckpt"))
-        assert one["extra"] == {"step": 3}
+        assert one["extra"]["step"] == 3 and one["extra"]["data_rng"].device.type == "cpu"
         for k, v in results[0]["saved"].items():
             assert torch.equal(one["params"][k], v), k
 
@@ -91,3 +92,13 @@ def test_damaged_or_foreign_checkpoints_are_errors_naming_the_file(tmp_path):
     with pytest.raises(WorkerFailed) as e:
         run_world(1, workers.load_plain, str(ckpt))
     assert f"{ckpt} is not a zcompile checkpoint" in e.value.errors[0]
+
+
+def test_rank_files_load_host_tensors_on_the_host():
+    """load_checkpoint's map_location: tensors saved on the host (RNG states, a generator's state in `extra`) stay
+    there, as torch.load gives them; ones saved on any accelerator come to this rank's device (test_gpu runs it)."""
+    from zcompile.runtime.checkpoint import _HostStaysHost
+    where = _HostStaysHost(torch.device("cuda", 1))
+    assert where.get("cpu") == "cpu" and str(where.get(torch.device("cpu"))) == "cpu"
+    assert where.get("cuda:0") == "cuda:1" and where.get(torch.device("cuda", 3)) == "cuda:1"
+    assert _HostStaysHost(torch.device("cpu")).get("cuda:0") == "cpu"  # a GPU checkpoint loads on a host

@@ -104,10 +104,11 @@ def test_nvme_tier_on_cuda(tmp_path):
 def test_checkpoint_resume_on_cuda(tmp_path, name, extra):
     """torch.distributed.checkpoint with CUDA DTensors (and host-mesh ones under offload): save, continue, resume
     into a fresh model with other weights and RNG state; the same losses bit for bit (the CUDA RNG stream of the
-    dropout model included) and parameters."""
+    dropout model included) and parameters; host tensors in `extra` (a generator's state) come back on the host."""
     config = dict(extra, backend="inductor")
     res = run_world(_world(), workers.checkpoint_resume, name, 3, str(tmp_path / "ckpt"), config, env=NCCL)[0]
     assert res["kind"] == "dcp" and res["resumed"] == res["continued"]
+    assert res["extra_rng_restored"]  # a host generator's state in `extra` comes back on the host
     for k in res["full"]:
         assert torch.equal(res["full"][k], res["resumed_full"][k]), k
 

@@ -151,7 +151,9 @@ def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: s
                       optimizer: str = "adamw") -> dict:
     config = {"stage": stage, "backend": "eager", **(extra_config or {})}
     model, opt, _ = train(rank, world, name, config, 3, optimizer=optimizer)
-    zcompile.save_checkpoint(directory, model, opt, extra={"step": 3})
+    data_rng = torch.Generator().manual_seed(7)  # a host generator of the user's, e.g. a sampler's
+    zcompile.save_checkpoint(directory, model, opt, extra={"step": 3, "data_rng": data_rng.get_state()})
+    expected_draw = torch.randint(0, 1000, (4,), generator=data_rng)
     saved = zcompile.full_state_dict(model)
     _, _, continued = train(rank, world, name, config, 2, model=model, opt=opt, start=3, optimizer=optimizer)
     full = zcompile.full_state_dict(model)
@@ -164,8 +166,11 @@ def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: s
     extra = zcompile.load_checkpoint(directory, fresh, fresh_opt, config=config if extra_config else None)
     _, _, resumed = train(rank, world, name, config, 2, model=fresh, opt=fresh_opt, start=extra["step"],
                           optimizer=optimizer)
+    data_rng = torch.Generator()
+    data_rng.set_state(extra["data_rng"])  # comes back on the host, as torch.load gives it
     return {"continued": continued, "resumed": resumed, "full": full, "resumed_full": zcompile.full_state_dict(fresh),
-            "saved": saved, "kind": _manifest(directory)["kind"]}
+            "saved": saved, "kind": _manifest(directory)["kind"],
+            "extra_rng_restored": torch.equal(torch.randint(0, 1000, (4,), generator=data_rng), expected_draw)}
 
 
 def _manifest(directory: str) -> dict:

@@ -193,10 +193,10 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
                               "use full_state_dict() to move between world sizes")
     else:
         _load_sharded(directory, mine, model, optimizer, cfg, ctx)
-    if same_world:  # the rank file was loaded onto ctx.device; generators take their state as a CPU ByteTensor
-        torch.set_rng_state(mine["rng"]["cpu"].cpu())
+    if same_world:
+        torch.set_rng_state(mine["rng"]["cpu"])
         if "cuda" in mine["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(mine["rng"]["cuda"].cpu())
+            torch.cuda.set_rng_state(mine["rng"]["cuda"])
     dist.barrier(group=ctx.group)
     return mine["extra"]
 
@@ -240,8 +240,23 @@ def _verified_manifest(directory: str, ctx: DistContext) -> dict:
 
 
 def _read_rank_file(directory: str, manifest: dict, rank: int, ctx: DistContext) -> dict:
+    """A rank file's contents: what was saved on the host stays on the host (RNG states, host tensors in the
+    caller's `extra`, as torch.load returns them), what was saved on an accelerator comes to this rank's device
+    (another rank's file when the world size changed)."""
     path = os.path.join(directory, _rank_file(rank, manifest["world"]))
-    return torch.load(path, map_location=ctx.device, weights_only=True)
+    return torch.load(path, map_location=_HostStaysHost(ctx.device), weights_only=True)
+
+
+class _HostStaysHost(dict):
+    """torch.load's map_location: a host location stays, any other becomes `device`. A dict, not a function:
+    torch.load takes no function for tensor subclasses (DTensor) and asks a dict's `get` for each location."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = str(device)
+
+    def get(self, location, default=None):
+        return location if str(location) == "cpu" else self.device
 
 
 def _load_dcp(directory: str, model: nn.Module, optimizer, cfg, ctx: DistContext) -> None:
