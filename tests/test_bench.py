@@ -95,3 +95,12 @@ def test_step_profile_reports_each_system():
     assert "### zcompile_z3: top ops by self CPU time" in out
     row = next(line for line in out.splitlines() if line.startswith("| zcompile_z3 |")).split("|")
     assert float(row[2]) > 0 and float(row[3]) > 100  # median step (ms), CPU ops per step
+
+
+def test_first_step_split_parts_add_up():
+    cmd = [sys.executable, "bench/first_step_split.py", "--layers", "2", "--backend", "eager"]
+    out = subprocess.run(cmd, check=True, timeout=600, capture_output=True, text=True).stdout
+    row = next(line for line in out.splitlines() if line.startswith("| 2 |")).split("|")
+    total, rest, backend, backward, collector = (float(row[k]) for k in range(2, 7))
+    assert backend > 0 and rest > 0 and backward > 0 and collector >= 0
+    assert abs(total - (rest + backend + backward)) < 0.02  # the parts are the whole (rounding)

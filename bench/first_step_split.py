@@ -1,0 +1,89 @@
+"""Where the first compiled forward and backward of rank 0 go: dynamo's own tracing, the zero backend's call (the
+passes, AOTAutograd, inductor's forward), the rest (the backward's compile and run), and how long Python's garbage
+collector ran in all that, with how many full collections. GPT d=128, world 2 (gloo), stage 3, 4x128 tokens.
+
+    python bench/first_step_split.py --layers 8,32                      # as a user runs it
+    python bench/first_step_split.py --layers 8,32 --collector-on       # without backend.collector_paused
+    python bench/first_step_split.py --layers 8,32 --presharded         # zcompile.shard_parameters first: no restart
+
+The inductor cache is the process default (TORCHINDUCTOR_CACHE_DIR), so a second run measures a warm cache.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from zcompile.tools.launch import run_world  # noqa: E402
+
+
+def worker(rank: int, world: int, layers: int, args) -> dict:
+    import torch
+    import zcompile
+    from zcompile.compiler import backend
+    from zcompile.models.gpt import GPT, GPTConfig
+
+    if args.collector_on:
+        backend.collector_paused = contextlib.nullcontext
+    in_backend = [0.0]
+    compile_ = backend._compile
+
+    def timed_compile(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return compile_(*a, **k)
+        finally:
+            in_backend[0] += time.perf_counter() - t0
+    backend._compile = timed_compile
+
+    collected, full, started = [0.0], [0], [0.0]
+
+    def on_collect(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collected[0] += time.perf_counter() - started[0]
+            full[0] += info["generation"] == 2
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=layers, n_head=4, n_embd=128))
+    config = {"stage": 3, "backend": args.backend}
+    if args.presharded:
+        zcompile.shard_parameters(model, config)
+    compiled = torch.compile(model, backend="zero", options={"config": config})
+    x = torch.randint(0, 256, (4, 129), generator=torch.Generator().manual_seed(rank))
+    gc.callbacks.append(on_collect)
+    t0 = time.perf_counter()
+    loss = compiled(x[:, :-1], x[:, 1:]).loss
+    forward = time.perf_counter() - t0
+    loss.backward()
+    total = time.perf_counter() - t0
+    gc.callbacks.remove(on_collect)
+    return {"total": total, "forward": forward, "backend": in_backend[0], "collector": collected[0],
+            "full": full[0], "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="8,32")
+    ap.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
+    ap.add_argument("--collector-on", action="store_true", help="keep Python's collector on during compiles")
+    ap.add_argument("--presharded", action="store_true", help="zcompile.shard_parameters before torch.compile")
+    args = ap.parse_args()
+    print("| layers | first fwd+bwd (s) | forward minus the backend call (s) | backend call (s) | backward (s) | collector (s) "
+          "| full collections | peak RSS (MiB) |\n|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for layers in (int(n) for n in args.layers.split(",")):
+        r = run_world(2, worker, layers, args, timeout=900)[0]
+        print(f"| {layers} | {r['total']:.2f} | {r['forward'] - r['backend']:.2f} | {r['backend']:.2f} | "
+              f"{r['total'] - r['forward']:.2f} | {r['collector']:.2f} | {r['full']} | {r['rss_mib']:.0f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
