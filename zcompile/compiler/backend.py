@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.utils._python_dispatch import _disable_current_modes
@@ -244,9 +245,12 @@ class _GraphCompile:
         with self.timed("zcompile passes"):
             joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
         self.seed_random_ops(joint)
-        with self.timed("partition"):
+        # lazy graph modules: the passes change both graphs, and what runs them (regions, inductor) reads the graph,
+        # so their Python code is generated only if something calls or prints them
+        with self.timed("partition"), _use_lazy_graph_module(True):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                          **kwargs)
+            bw = _lazy(bw)  # the partitioner rebuilds the backward as a plain GraphModule when it reorders it
         if self.regions_kept:
             with self.timed("inline regions"):  # with a fake propagation of the forward (inline_partitioned)
                 block_regions.inline_partitioned(fw, bw, num_fwd_outputs)
@@ -366,6 +370,15 @@ class _GraphCompile:
 
         run_graph._boxed_call = True
         return run_graph
+
+
+def _lazy(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` as a _LazyGraphModule (same graph and meta): its recompile only marks, its code is generated when read."""
+    if isinstance(gm, _LazyGraphModule):
+        return gm
+    lazy = _LazyGraphModule(gm, gm.graph)
+    lazy.meta.update(gm.meta)
+    return lazy
 
 
 def _on_tier(node: fx.Node, example: torch.Tensor) -> torch.Tensor:
