@@ -476,7 +476,7 @@ def collector_during_compile(rank: int, world: int) -> dict:
         return run_phase(phase, gm, pctx, on_pass)
     passes.run_phase = spy
     try:
-        model, _, _ = train(rank, world, "gpt", {"stage": 3, "backend": "eager"}, 1)
+        train(rank, world, "gpt", {"stage": 3, "backend": "eager"}, 1)
     finally:
         passes.run_phase = run_phase
     seen["after the step"] = gc.isenabled()

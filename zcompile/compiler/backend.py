@@ -374,10 +374,9 @@ class _GraphCompile:
 
 def _lazy(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm` as a _LazyGraphModule (same graph and meta): its recompile only marks, its code is generated when read."""
-    if isinstance(gm, _LazyGraphModule):
-        return gm
-    lazy = _LazyGraphModule(gm, gm.graph)
-    lazy.meta.update(gm.meta)
+    lazy = _LazyGraphModule.from_graphmodule(gm)
+    if lazy is not gm:
+        lazy.meta.update(gm.meta)  # a new GraphModule starts with empty meta
     return lazy
 
 

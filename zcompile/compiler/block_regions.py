@@ -159,9 +159,9 @@ def inline_partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     input by name: PassContext.param_placeholders, offload_activations). A region's forward hands its parameter
     operands on to its backward, so the inlined forward saves the primal itself: the backward's input takes the
     primal's name. Any other saved value takes a name free in both graphs. A second save of one value is left
-    unused. The graphs' Python code is stale until the split passes, which come next, regenerate it."""
+    unused. The graphs' Python code is not regenerated here: the split passes, which come next, recompile both."""
     names = [v.name if isinstance(v, fx.Node) else None for v in _saved(fw, num_fwd_outputs)]
-    trace_blocks_once.inline(fw, recompile=False)  # the split passes regenerate both graphs' code at their end
+    trace_blocks_once.inline(fw, recompile=False)  # the split passes recompile both at their end
     trace_blocks_once.inline(bw, recompile=False)
     # torch's fake invoke_subgraph returns the same values for every call of a body with the same inputs' metadata:
     # block 0's and block 1's saved activations would share one fake storage, which liveness counts once
