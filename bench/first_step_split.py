@@ -4,7 +4,8 @@ collector ran in all that, with how many full collections. GPT d=128, world 2 (g
 
     python bench/first_step_split.py --layers 8,32                      # as a user runs it
     python bench/first_step_split.py --layers 8,32 --collector-on       # without backend.collector_paused
-    python bench/first_step_split.py --layers 8,32 --presharded         # zcompile.shard_parameters first: no restart
+    python bench/first_step_split.py --layers 8,32 --presharded         # zcompile.shard_parameters first
+    python bench/first_step_split.py --layers 8,32 --no-hook            # without before_trace: shard, then restart
 
 The inductor cache is the process default (TORCHINDUCTOR_CACHE_DIR), so a second run measures a warm cache.
 """
@@ -17,6 +18,7 @@ import os
 import resource
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,11 +28,15 @@ from zcompile.tools.launch import run_world  # noqa: E402
 def worker(rank: int, world: int, layers: int, args) -> dict:
     import torch
     import zcompile
-    from zcompile.compiler import backend
+    from zcompile.compiler import backend, before_trace
     from zcompile.models.gpt import GPT, GPTConfig
 
     if args.collector_on:
         backend.collector_paused = contextlib.nullcontext
+        before_trace.gc = types.SimpleNamespace(isenabled=gc.isenabled, disable=lambda: None, enable=gc.enable)
+    if args.no_hook:  # as before before_trace: the backend shards after dynamo's first trace, which restarts
+        before_trace.register = lambda: None
+        torch._dynamo.callback_handler.clear()
     in_backend = [0.0]
     compile_ = backend._compile
 
@@ -75,6 +81,8 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     ap.add_argument("--collector-on", action="store_true", help="keep Python's collector on during compiles")
     ap.add_argument("--presharded", action="store_true", help="zcompile.shard_parameters before torch.compile")
+    ap.add_argument("--no-hook", action="store_true", help="no compile-start hook (before_trace): shard after dynamo's "
+                    "first trace and restart it, collector on during the traces")
     args = ap.parse_args()
     print("| layers | first fwd+bwd (s) | forward minus the backend call (s) | backend call (s) | backward (s) | collector (s) "
           "| full collections | peak RSS (MiB) |\n|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)

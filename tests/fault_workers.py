@@ -42,7 +42,7 @@ def branch_divergence(rank: int, world: int) -> dict:
     different cached ones. Every rank must fail both times, before any parameter changes."""
     cfg = {"stage": 3, "backend": "eager", "collective_timeout_s": 30}
     out = {}
-    torch._dynamo.reset()
+    workers.reset_dynamo()
     model = torch.compile(Branchy(), backend="zero", options={"config": cfg})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = {k: v.clone() for k, v in zcompile.full_state_dict(model).items()}
@@ -50,7 +50,7 @@ def branch_divergence(rank: int, world: int) -> dict:
     out["compile"] = _outcome(lambda: model(sign * torch.ones(4, 8)).backward())
     out["unchanged"] = all(torch.equal(before[k], v) for k, v in zcompile.full_state_dict(model).items())
 
-    torch._dynamo.reset()
+    workers.reset_dynamo()
     model = torch.compile(Branchy(), backend="zero", options={"config": cfg})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for s in (1.0, -1.0):  # both ranks take branch a, then both take b: both graphs compiled everywhere
@@ -69,7 +69,7 @@ def recompile_on_one_rank(rank: int, world: int) -> dict:
     x = rank_slice(global_batch(0, world), rank, world)
 
     def scenario(config, divergent):
-        torch._dynamo.reset()
+        workers.reset_dynamo()
         model = torch.compile(workers.build_model("gpt"), backend="zero", options={"config": config})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loss_of(model, "gpt", x).backward()
@@ -126,7 +126,7 @@ def frozen_config_file(rank: int, world: int, path: str) -> dict:
     """The YAML is read once per compiled model: deleting or editing it mid-run changes nothing."""
     with open(path, "w") as f:
         f.write("stage: 3\nbackend: eager\n")
-    torch._dynamo.reset()
+    workers.reset_dynamo()
     model = torch.compile(workers.build_model("gpt"), backend="zero", options={"config": path}, dynamic=False)
     x = rank_slice(global_batch(0, world), rank, world)
     first = model(x[:, :-1], x[:, 1:]).logits.dtype
@@ -161,7 +161,7 @@ def float_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bn_train(rank: int, world: int, config: dict, steps: int = 6, nan_at: int | None = None) -> dict:
     """Train BNNet; at step `nan_at` rank 1's batch holds a NaN. Returns losses, outcomes, params and buffers."""
-    torch._dynamo.reset()
+    workers.reset_dynamo()
     model = torch.compile(BNNet(), backend="zero", options={"config": config})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, outcomes, caught = [], [], []

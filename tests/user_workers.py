@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tests import workers
 from tests.workers import build_model, global_batch, loss_of, rank_slice
 
 GLOBAL = 4  # sequences per step, split over the ranks: the same data at every world size
@@ -166,7 +167,7 @@ def stale_reference(rank: int, world: int) -> dict:
         loss_of(run, "gpt", x)
     except zcompile.ZeroError as e:
         out["error"] = str(e)
-    torch._dynamo.reset()
+    workers.reset_dynamo()
     model = zcompile.shard_parameters(build_model("gpt"), config)
     early = list(model.blocks[0].parameters())
     run = torch.compile(model, backend="zero", options={"config": config})
@@ -186,7 +187,7 @@ def multi_tensor_optimizers(rank: int | None, world: int, stages: list) -> dict:
     out = {}
     for stage in stages:
         for kind in ("foreach", "fused"):
-            torch._dynamo.reset()
+            workers.reset_dynamo()
             model = build_model("gpt")
             run = model if rank is None else torch.compile(model, backend="zero",
                                                            options={"config": {"stage": stage, "backend": "eager"}})
@@ -540,7 +541,7 @@ def torch_save_resume(rank: int, world: int, config: dict, directory: str) -> di
     except zcompile.ZeroError as e:
         refused = str(e)
     continued = steps(run, opt, 2)
-    torch._dynamo.reset()
+    workers.reset_dynamo()
     fresh = zcompile.shard_parameters(build_model("gpt", seed=123), config)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     saved = torch.load(path, weights_only=False)

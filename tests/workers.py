@@ -18,6 +18,13 @@ LR = 1e-3
 EPS = 1e-6
 
 
+def reset_dynamo() -> None:
+    """torch._dynamo.reset(), leaving zcompile's compile-start hook installed as in a fresh process (reset drops
+    every dynamo callback; the backend puts it back at its next call, after that compile's first trace)."""
+    torch._dynamo.reset()
+    zcompile.compiler.before_trace.register()
+
+
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if name == "gpt":
@@ -105,15 +112,16 @@ def reference(name: str, world: int, steps: int, accum: int = 1, clip: float | N
 
 def train(rank: int, world: int, name: str, config: dict, steps: int, accum: int = 1, clip: float | None = None,
           batch_sizes: list[int] | None = None, model=None, opt=None, start: int = 0, reports: list | None = None,
-          data=global_batch, optimizer: str = "adamw"):
-    """The same loop through torch.compile(backend="zero"); returns (model, optimizer, losses).
+          data=global_batch, optimizer: str = "adamw", hook: bool = True):
+    """The same loop through torch.compile(backend="zero"); returns (model, optimizer, losses). hook=False: the
+    first compile runs without zcompile's compile-start hook (a bare torch._dynamo.reset() before it).
 
     `reports` collects the memory report of each step, taken after the step and before zero_grad, when parameters,
     gradients and optimizer state are all alive.
     """
     device = zcompile.runtime.dist_context.DistContext.current().device
     if model is None:
-        torch._dynamo.reset()
+        reset_dynamo() if hook else torch._dynamo.reset()
         model = torch.compile(build_model(name).to(device), backend="zero", options={"config": config})
         opt = (zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS, chunk_mb=0.05) if optimizer == "cpu_adam"
                else torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
@@ -158,7 +166,7 @@ def checkpoint_resume(rank: int, world: int, name: str, stage: int, directory: s
     _, _, continued = train(rank, world, name, config, 2, model=model, opt=opt, start=3, optimizer=optimizer)
     full = zcompile.full_state_dict(model)
     # A fresh process state: other initial weights and RNG state, new compile, then resume from the checkpoint.
-    torch._dynamo.reset()
+    reset_dynamo()
     device = zcompile.runtime.dist_context.DistContext.current().device
     fresh = torch.compile(build_model(name, seed=123).to(device), backend="zero", options={"config": config})
     fresh_opt = (zcompile.CPUAdam(fresh.parameters(), lr=LR, eps=EPS, chunk_mb=0.05) if optimizer == "cpu_adam"
@@ -304,7 +312,7 @@ def new_shapes(rank: int, world: int, config: dict, seq_lens: list[int], batch_s
     dynamo compiled."""
     from torch._dynamo.utils import counters
     device = zcompile.runtime.dist_context.DistContext.current().device
-    torch._dynamo.reset()
+    reset_dynamo()
     before = counters["stats"]["unique_graphs"]
     model = torch.compile(build_model("gpt").to(device), backend="zero", options={"config": config})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -376,7 +384,7 @@ def losses_and_traffic(rank: int, world: int, name: str, config: dict, steps: in
 def gradient_shards(rank: int, world: int, name: str, config: dict, dtype: str | None = None) -> dict:
     """One forward/backward; this rank's reduced gradient shard of every parameter (stages 2/3), by name.
     `dtype` ("fp16", "bf16"): the model's parameters are stored in it (not mixed precision)."""
-    torch._dynamo.reset()
+    reset_dynamo()
     device = zcompile.runtime.dist_context.DistContext.current().device
     model = build_model(name).to(device)
     if dtype is not None:
@@ -452,7 +460,7 @@ def planned_peaks(rank: int, world: int, config: dict) -> dict:
     device = zcompile.runtime.dist_context.DistContext.current().device
     out = {}
     for name, seq, bound in (("32", 32, None), ("16", 16, None), ("16, dynamic up to 32", 16, 32)):
-        torch._dynamo.reset()
+        reset_dynamo()
         model = torch.compile(build_model("gpt").to(device), backend="zero", options={"config": config})
         x = rank_slice(global_batch(0, world, MICRO, seq), rank, world).to(device)
         idx, targets = x[:, :-1], x[:, 1:]
@@ -488,3 +496,67 @@ def collector_during_compile(rank: int, world: int) -> dict:
         seen["failed compile"] = type(e).__name__
     seen["after the failed compile"] = gc.isenabled()
     return seen
+
+
+def traces_before_sharding(rank: int, world: int) -> dict:
+    """How many times dynamo restarted a first trace because the backend had to shard the parameters, and the
+    losses: a compiled model and a compiled step function (module argument) with zcompile's compile-start hook
+    installed; a model compiled right after a bare torch._dynamo.reset() (hook dropped: the backend shards and
+    restarts); one more model after that (the backend put the hook back). Also whether the collector was off when
+    dynamo started each compile, for zcompile's backend and for another."""
+    import gc
+    from functools import partial
+    from torch._dynamo.callback import CallbackTrigger
+    from zcompile.compiler import backend
+    out, shard = {"restarts": []}, backend._shard_modules_of
+
+    def spy(*a, **kw):
+        try:
+            return shard(*a, **kw)
+        except backend._ParametersSharded:
+            out["restarts"].append(out["case"])
+            raise
+    collector = []
+
+    def at_trace(case, args):  # dynamo's compile of a frame (not the lazy backward's compile)
+        if args.callback_trigger == CallbackTrigger.DYNAMO:
+            collector.append((case, gc.isenabled()))
+    backend._shard_modules_of = spy
+    config = {"stage": 3, "backend": "eager"}
+    try:
+        for case in ("hook", "after reset", "hook again", "step function"):
+            out["case"] = case
+            if case == "after reset":
+                torch._dynamo.reset()
+            else:
+                reset_dynamo()
+            torch._dynamo.callback_handler.register_start_callback(partial(at_trace, case))
+            model = build_model("gpt")
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+            if case == "step function":
+                run = torch.compile(lambda m, x: loss_of(m, "gpt", x), backend="zero", options={"config": config})
+                compiled = lambda x: run(model, x)  # noqa: E731
+                losses = []
+                for step in range(2):
+                    loss = compiled(rank_slice(global_batch(step, world), rank, world))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+            else:
+                compiled = torch.compile(model, backend="zero", options={"config": config})
+                _, _, losses = train(rank, world, "gpt", config, 2, model=compiled, opt=opt)
+            out[case] = {"losses": losses, "dtensors": all(isinstance(p, torch.distributed.tensor.DTensor)
+                                                           for p in model.parameters())}
+        reset_dynamo()
+        torch._dynamo.callback_handler.register_start_callback(partial(at_trace, "other backend"))
+        out["collector"] = list(collector)
+        other = build_model("gpt")
+        torch.compile(other, backend="eager")(rank_slice(global_batch(0, world), rank, world)[:, :-1])
+        out["other backend"] = {"collector": [on for _, on in collector[len(out["collector"]):]],
+                                "plain": not any(isinstance(p, torch.distributed.tensor.DTensor)
+                                                 for p in other.parameters())}
+    finally:
+        backend._shard_modules_of = shard
+    out["collector after"] = gc.isenabled()
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from zcompile.runtime.allocator_peak import step_tensor_peak
+from zcompile.compiler import before_trace
 from zcompile.compiler.backend import planned_step_peak, zero_backend
 from zcompile.runtime.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.runtime.collective_traffic import reset_traffic, traffic
@@ -34,3 +35,4 @@ __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):
     torch._dynamo.register_backend(zero_backend, name="zero")
+before_trace.register()

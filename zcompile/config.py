@@ -495,3 +495,18 @@ def from_options(options: dict | None) -> Config:
     if isinstance(spec, (str, os.PathLike)):
         return load(spec)
     raise ConfigError(f"torch.compile options: 'config' must be a path or a mapping, got {type(spec).__name__}")
+
+
+_FROZEN: dict[int, tuple[object, Config]] = {}  # cache: id(options) -> (options, its Config)
+
+
+def frozen(options: dict | None) -> Config:
+    """The config of one torch.compile call, read and validated at its first graph and reused by every recompile:
+    torch.compile passes the same `options` object each time, so editing or deleting the YAML mid-run changes
+    nothing. The options object is held so its id stays unique."""
+    if options is None:
+        return from_options(None)
+    hit = _FROZEN.get(id(options))
+    if hit is None or hit[0] is not options:
+        hit = _FROZEN[id(options)] = (options, from_options(options))
+    return hit[1]

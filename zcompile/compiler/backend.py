@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
-from zcompile.compiler import block_regions, fake_values, trace_blocks_once
+from zcompile.compiler import before_trace, block_regions, fake_values, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
@@ -432,6 +432,7 @@ def collector_paused():
 
 def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
     """The `zero` backend for torch.compile."""
+    before_trace.register()  # again after torch._dynamo.reset() dropped it, for the next frame's trace
     try:
         with collector_paused():
             return _compile(gm, example_inputs, options, **kwargs)
@@ -442,25 +443,10 @@ def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e
 
 
-_FROZEN: dict[int, tuple[object, zconfig.Config]] = {}  # cache: id(options) -> (options, its Config)
-
-
-def frozen_config(options: dict | None) -> zconfig.Config:
-    """The config of one torch.compile call, read and validated at its first graph and reused by every recompile:
-    torch.compile passes the same `options` object each time, so editing or deleting the YAML mid-run changes
-    nothing. The options object is held so its id stays unique."""
-    if options is None:
-        return zconfig.from_options(None)
-    hit = _FROZEN.get(id(options))
-    if hit is None or hit[0] is not options:
-        hit = _FROZEN[id(options)] = (options, zconfig.from_options(options))
-    return hit[1]
-
-
 def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
     if kwargs:
         raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
-    cfg = frozen_config(options)
+    cfg = zconfig.frozen(options)
     ctx = DistContext.current()
     if cfg.backend == "inductor":
         warmup.start(ctx.device)  # inductor's one-time ISA probe, beside the tracing and passes that come first

@@ -1,0 +1,46 @@
+"""zcompile shards a model when dynamo starts compiling it for the zero backend, so the first trace reads the
+DTensor parameters and is not thrown away (compiler/before_trace.py); the backend's restart path stays for what
+the hook cannot see. The collector is off from the start of each zero-backend compile."""
+import gc
+
+import pytest
+import torch
+
+from tests import workers
+from tests.harness import run_world
+from zcompile.compiler import before_trace
+from zcompile.runtime import dtensor_params
+
+needs_trace_once = pytest.mark.skipif(not dtensor_params.trace_once_supported(),
+                                      reason="torch 2.11 shards after the first trace (restart path)")
+
+
+@needs_trace_once
+def test_first_trace_reads_dtensors_and_matches_the_restart_path():
+    outs = run_world(2, workers.traces_before_sharding, timeout=600)
+    for out in outs:
+        # only the model compiled right after a bare reset (hook dropped) restarts; the backend reinstalls the hook
+        assert out["restarts"] == ["after reset"], out["restarts"]
+        for case in ("hook", "after reset", "hook again", "step function"):
+            assert out[case]["dtensors"], (case, out[case])
+        # the hook shards as the backend does: the same losses, bit for bit, as the restart path
+        assert out["hook"]["losses"] == out["after reset"]["losses"] == out["hook again"]["losses"]
+        assert out["step function"]["losses"][0] == out["hook"]["losses"][0]
+        assert out["step function"]["losses"] == pytest.approx(out["hook"]["losses"], rel=1e-5)
+        # the collector is off when dynamo starts a zero-backend compile (without the hook, after the bare reset,
+        # it is not), on for another backend, on after
+        assert [on for case, on in out["collector"] if case != "after reset"] == [False] * 3, out["collector"]
+        assert [on for case, on in out["collector"] if case == "after reset"] == [True], out["collector"]
+        assert out["other backend"] == {"collector": [True], "plain": True}, out["other backend"]
+        assert out["collector after"] is True
+
+
+def test_hook_ignores_other_backends_and_keeps_callbacks_paired():
+    torch._dynamo.reset()
+    before_trace.register()
+    before_trace.register()  # once only
+    assert torch._dynamo.callback_handler.start_callbacks.count(before_trace._on_start) == 1
+    net = torch.nn.Linear(4, 4)
+    torch.compile(net, backend="eager")(torch.randn(2, 4))
+    assert type(net.weight) is torch.nn.Parameter and before_trace._compiles == [] and gc.isenabled()
+    torch._dynamo.reset()

@@ -1,0 +1,131 @@
+"""What zcompile does when dynamo starts compiling a frame for the `zero` backend, before it traces.
+
+- **Shard the frame's modules.** Otherwise dynamo's first trace of a model runs over its plain parameters; the
+  backend then shards them and restarts dynamo (backend._ParametersSharded), throwing that whole trace away (2.2 s
+  of a 32-layer compile, docs/compile-time.md). The modules the frame receives (the module of
+  torch.compile(model), module arguments of a compiled function) are sharded as the backend would shard them
+  after the trace (dtensor_params.shard_model), so the first trace reads the DTensors.
+- **Pause the cyclic garbage collector** for the whole compile of the frame, trace included (the backend's
+  collector_paused covers only its own call; why: backend.collector_paused).
+- **Say what to do when a traced-once block holds a graph break**: dynamo refuses to split the nested compile
+  region (UncapturedHigherOrderOpError); the end callback adds a note naming zcompile's way out.
+
+torch.compile calls a backend only after a trace, so this uses dynamo's compile start and end callbacks
+(torch._dynamo.callback_handler) and finds the frame and its backend in dynamo's `_compile` frame up the stack.
+Sharding here only saves time: whatever it cannot see leaves the parameters plain for the backend's restart path
+(another torch's frame layout, parameters read from a global, a config that does not load: the backend reports
+it, torch 2.11, whose dynamo fails on DTensor parameters in a nested compile region before the backend can refuse
+one, and the first compile after torch._dynamo.reset(), which drops every callback; the backend registers them
+again).
+"""
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+import torch.nn as nn
+from torch._dynamo import convert_frame
+from torch._dynamo.backends.registry import _COMPILER_FNS
+from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+from zcompile import config as zconfig
+from zcompile.compiler.backends import warmup
+from zcompile.config import Stage
+from zcompile.runtime import dtensor_params
+from zcompile.runtime.dist_context import DistContext, set_group_timeout
+
+_LOOK_UP = 12  # frames between the callback and dynamo's _compile (6 on torch 2.13)
+# per dynamo compile in progress: (the frame's modules if it compiles for the zero backend, else None; whether
+# its start turned the collector off)
+_compiles: list[tuple[list | None, bool]] = []
+
+
+def register() -> None:
+    """Install the callbacks once (again after torch._dynamo.reset() removed them)."""
+    handler = torch._dynamo.callback_handler
+    if _on_start not in handler.start_callbacks:
+        handler.register_start_callback(_on_start)
+    if _on_end not in handler.end_callbacks:
+        handler.register_end_callback(_on_end)
+
+
+def _on_start(_args) -> None:
+    found = _zero_frame(sys._getframe(1))
+    if found is None:
+        _compiles.append((None, False))  # start and end come in pairs, for any backend
+        return
+    options, frame_locals = found
+    modules = [m for m in map(_module_of, frame_locals.values()) if m is not None]
+    _compiles.append((modules, gc.isenabled()))
+    gc.disable()
+    _shard_modules(options, modules)
+
+
+def _on_end(_args) -> None:
+    modules, paused = _compiles.pop() if _compiles else (None, False)
+    if paused:
+        gc.enable()
+    failed = sys.exc_info()[1]  # the end callback runs as dynamo's compile of the frame unwinds
+    if modules and isinstance(failed, UncapturedHigherOrderOpError) and any(
+            getattr(type(m), "_zc_marked", False) for root in modules for m in root.modules()):
+        failed.add_note(
+            "zcompile: each repeated block is traced once as a nested compile region (trace_blocks_once), and a "
+            "region cannot hold a graph break. Remove the graph break from the block's forward, or set "
+            "trace_blocks_once: false in the zcompile config (the blocks are then traced inline, where dynamo "
+            "splits the graph, or runs the frame eagerly on the DTensor parameters).")
+
+
+def _shard_modules(options: dict | None, modules: list[nn.Module]) -> None:
+    if not dtensor_params.trace_once_supported():
+        return
+    roots = {id(m): m for m in modules if _has_plain(m)}
+    if not roots:
+        return
+    try:
+        cfg = zconfig.frozen(options)
+        ctx = DistContext.current()
+    except (zconfig.ConfigError, RuntimeError, ValueError):
+        return  # the backend raises it with its context
+    if cfg.stage < Stage.OPTIMIZER:
+        return
+    if cfg.backend == "inductor":
+        warmup.start(ctx.device)
+    set_group_timeout(ctx, cfg.collective_timeout_s)  # sharding may build meshes, as in the backend
+    for root in roots.values():
+        dtensor_params.shard_model(root, cfg, ctx)
+
+
+def _zero_frame(frame) -> tuple[dict | None, dict] | None:
+    """(torch.compile's options, the locals of the frame dynamo compiles) when dynamo's `_compile` up the stack
+    compiles for the zero backend; None otherwise."""
+    code = getattr(getattr(convert_frame, "_compile", None), "__code__", None)
+    for _ in range(_LOOK_UP):
+        if frame is None or code is None:
+            return None
+        if frame.f_code is code:
+            break
+        frame = frame.f_back
+    else:
+        return None
+    names = frame.f_locals
+    wrapper = getattr(names.get("compiler_fn"), "_torchdynamo_orig_backend", None)  # torch.compile's wrapper
+    if (getattr(wrapper, "compiler_fn", None) is not _zero_backend()
+            or not isinstance(names.get("locals"), dict)):
+        return None
+    return getattr(wrapper, "kwargs", {}).get("options"), names["locals"]
+
+
+def _zero_backend():
+    return _COMPILER_FNS.get("zero")
+
+
+def _module_of(value) -> nn.Module | None:
+    if isinstance(value, nn.Module):
+        return value
+    owner = getattr(value, "__self__", None)  # a bound method, e.g. model.forward
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _has_plain(module: nn.Module) -> bool:
+    return any(not isinstance(p, dtensor_params.DTensor) for p in module.parameters())
