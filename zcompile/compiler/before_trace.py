@@ -26,7 +26,6 @@ import sys
 import torch
 import torch.nn as nn
 from torch._dynamo import convert_frame
-from torch._dynamo.backends.registry import _COMPILER_FNS
 from torch._dynamo.exc import UncapturedHigherOrderOpError
 
 from zcompile import config as zconfig
@@ -110,14 +109,10 @@ def _zero_frame(frame) -> tuple[dict | None, dict] | None:
         return None
     names = frame.f_locals
     wrapper = getattr(names.get("compiler_fn"), "_torchdynamo_orig_backend", None)  # torch.compile's wrapper
-    if (getattr(wrapper, "compiler_fn", None) is not _zero_backend()
-            or not isinstance(names.get("locals"), dict)):
+    backend = getattr(wrapper, "compiler_fn", None)
+    if getattr(backend, "zcompile_backend", False) is not True or not isinstance(names.get("locals"), dict):
         return None
     return getattr(wrapper, "kwargs", {}).get("options"), names["locals"]
-
-
-def _zero_backend():
-    return _COMPILER_FNS.get("zero")
 
 
 def _module_of(value) -> nn.Module | None:
