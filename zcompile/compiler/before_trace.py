@@ -11,12 +11,13 @@
   region (UncapturedHigherOrderOpError); the end callback adds a note naming zcompile's way out.
 
 torch.compile calls a backend only after a trace, so this uses dynamo's compile start and end callbacks
-(torch._dynamo.callback_handler) and finds the frame and its backend in dynamo's `_compile` frame up the stack.
-Sharding here only saves time: whatever it cannot see leaves the parameters plain for the backend's restart path
-(another torch's frame layout, parameters read from a global, a config that does not load: the backend reports
-it, torch 2.11, whose dynamo fails on DTensor parameters in a nested compile region before the backend can refuse
-one, and the first compile after torch._dynamo.reset(), which drops every callback; the backend registers them
-again).
+(torch._dynamo.callback_handler) and finds the frame and its backend in dynamo's `_compile` frame up the stack
+(the zero backend by its `zcompile_backend` mark). Sharding here saves the restart, and a frame dynamo then skips
+(a graph break it cannot resume from) runs eagerly on the DTensor parameters, as with FSDP2. Whatever it cannot
+see leaves the parameters plain for the backend's restart path (another torch's frame layout, parameters read
+from a global, a config that does not load: the backend reports it, torch 2.11, whose dynamo fails on DTensor
+parameters in a nested compile region before the backend can refuse one, and the first compile after
+torch._dynamo.reset(), which drops every callback; the backend registers them again).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from torch._dynamo.exc import UncapturedHigherOrderOpError
 from zcompile import config as zconfig
 from zcompile.compiler.backends import warmup
 from zcompile.config import Stage
+from zcompile.errors import ZCompileError, ZeroError
 from zcompile.runtime import dtensor_params
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
 
@@ -91,8 +93,13 @@ def _shard_modules(options: dict | None, modules: list[nn.Module]) -> None:
     if cfg.backend == "inductor":
         warmup.start(ctx.device)
     set_group_timeout(ctx, cfg.collective_timeout_s)  # sharding may build meshes, as in the backend
-    for root in roots.values():
-        dtensor_params.shard_model(root, cfg, ctx)
+    try:
+        for root in roots.values():
+            dtensor_params.shard_model(root, cfg, ctx)
+    except ZeroError:
+        raise
+    except Exception as e:  # as the backend reports its own failures (dynamo would wrap this one as its own)
+        raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e
 
 
 def _zero_frame(frame) -> tuple[dict | None, dict] | None:
