@@ -36,7 +36,7 @@ from zcompile.errors import ZCompileError, ZeroError
 from zcompile.runtime import dtensor_params
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
 
-_LOOK_UP = 12  # frames between the callback and dynamo's _compile (6 on torch 2.13)
+_LOOK_UP = 12  # frames between the callback and dynamo's _compile: 6 on torch 2.11 and 2.13
 # per dynamo compile in progress: (the frame's modules if it compiles for the zero backend, else None; whether
 # its start turned the collector off)
 _compiles: list[tuple[list | None, bool]] = []
