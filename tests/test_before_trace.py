@@ -21,15 +21,16 @@ def test_first_trace_reads_dtensors_and_matches_the_restart_path():
     for out in outs:
         # only the model compiled right after a bare reset (hook dropped) restarts; the backend reinstalls the hook
         assert out["restarts"] == ["after reset"], out["restarts"]
-        for case in ("hook", "after reset", "hook again", "step function"):
+        for case in ("hook", "after reset", "hook again", "step function", "Module.compile"):
             assert out[case]["dtensors"], (case, out[case])
         # the hook shards as the backend does: the same losses, bit for bit, as the restart path
-        assert out["hook"]["losses"] == out["after reset"]["losses"] == out["hook again"]["losses"]
+        assert (out["hook"]["losses"] == out["after reset"]["losses"] == out["hook again"]["losses"]
+                == out["Module.compile"]["losses"])
         assert out["step function"]["losses"][0] == out["hook"]["losses"][0]
         assert out["step function"]["losses"] == pytest.approx(out["hook"]["losses"], rel=1e-5)
         # the collector is off when dynamo starts a zero-backend compile (without the hook, after the bare reset,
         # it is not), on for another backend, on after
-        assert [on for case, on in out["collector"] if case != "after reset"] == [False] * 3, out["collector"]
+        assert [on for case, on in out["collector"] if case != "after reset"] == [False] * 4, out["collector"]
         assert [on for case, on in out["collector"] if case == "after reset"] == [True], out["collector"]
         assert out["other backend"] == {"collector": [True], "plain": True}, out["other backend"]
         assert out["collector after"] is True

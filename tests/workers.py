@@ -500,8 +500,8 @@ def collector_during_compile(rank: int, world: int) -> dict:
 
 def traces_before_sharding(rank: int, world: int) -> dict:
     """How many times dynamo restarted a first trace because the backend had to shard the parameters, and the
-    losses: a compiled model and a compiled step function (module argument) with zcompile's compile-start hook
-    installed; a model compiled right after a bare torch._dynamo.reset() (hook dropped: the backend shards and
+    losses: a compiled model, a compiled step function (module argument) and a model compiled in place
+    (nn.Module.compile) with zcompile's compile-start hook installed; a model compiled right after a bare torch._dynamo.reset() (hook dropped: the backend shards and
     restarts); one more model after that (the backend put the hook back). Also whether the collector was off when
     dynamo started each compile, for zcompile's backend and for another."""
     import gc
@@ -524,7 +524,7 @@ def traces_before_sharding(rank: int, world: int) -> dict:
     backend._shard_modules_of = spy
     config = {"stage": 3, "backend": "eager"}
     try:
-        for case in ("hook", "after reset", "hook again", "step function"):
+        for case in ("hook", "after reset", "hook again", "step function", "Module.compile"):
             out["case"] = case
             if case == "after reset":
                 torch._dynamo.reset()
@@ -543,6 +543,9 @@ def traces_before_sharding(rank: int, world: int) -> dict:
                     opt.step()
                     opt.zero_grad()
                     losses.append(loss.item())
+            elif case == "Module.compile":  # in place: dynamo compiles the module's _call_impl
+                model.compile(backend="zero", options={"config": config})
+                _, _, losses = train(rank, world, "gpt", config, 2, model=model, opt=opt)
             else:
                 compiled = torch.compile(model, backend="zero", options={"config": config})
                 _, _, losses = train(rank, world, "gpt", config, 2, model=compiled, opt=opt)
