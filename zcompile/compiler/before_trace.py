@@ -52,7 +52,10 @@ def register() -> None:
 
 
 def _on_start(_args) -> None:
-    found = _zero_frame(sys._getframe(1))
+    try:
+        found = _zero_frame(sys._getframe(1))
+    except Exception:  # runs for every dynamo compile in the process: never fail another backend's
+        found = None
     if found is None:
         _compiles.append((None, False))  # start and end come in pairs, for any backend
         return
