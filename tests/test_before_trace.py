@@ -23,6 +23,8 @@ def test_first_trace_reads_dtensors_and_matches_the_restart_path():
         assert out["restarts"] == ["after reset"], out["restarts"]
         for case in ("hook", "after reset", "hook again", "step function", "Module.compile"):
             assert out[case]["dtensors"], (case, out[case])
+        # a deep copy (an EMA) computes with its own copy of the weights, equal to the model's here
+        assert out["deep copy"][0] == out["deep copy"][1], out["deep copy"]
         # the hook shards as the backend does: the same losses, bit for bit, as the restart path
         assert (out["hook"]["losses"] == out["after reset"]["losses"] == out["hook again"]["losses"]
                 == out["Module.compile"]["losses"])
@@ -30,7 +32,8 @@ def test_first_trace_reads_dtensors_and_matches_the_restart_path():
         assert out["step function"]["losses"] == pytest.approx(out["hook"]["losses"], rel=1e-5)
         # the collector is off when dynamo starts a zero-backend compile (without the hook, after the bare reset,
         # it is not), on for another backend, on after
-        assert [on for case, on in out["collector"] if case != "after reset"] == [False] * 4, out["collector"]
+        others = [on for case, on in out["collector"] if case != "after reset"]
+        assert len(others) >= 4 and not any(others), out["collector"]
         assert [on for case, on in out["collector"] if case == "after reset"] == [True], out["collector"]
         assert out["other backend"] == {"collector": [True], "plain": True}, out["other backend"]
         assert out["collector after"] is True

@@ -3,8 +3,9 @@
 - **Shard the frame's modules.** Otherwise dynamo's first trace of a model runs over its plain parameters; the
   backend then shards them and restarts dynamo (backend._ParametersSharded), throwing that whole trace away (2.2 s
   of a 32-layer compile, docs/compile-time.md). The modules the frame receives (the module of
-  torch.compile(model), module arguments of a compiled function) are sharded as the backend would shard them
-  after the trace (dtensor_params.shard_model), so the first trace reads the DTensors.
+  torch.compile(model), module arguments of a compiled function, a deep copy of a sharded model) are sharded as
+  the backend would shard them after the trace (dtensor_params.shard_model), so the first trace reads the
+  DTensors.
 - **Pause the cyclic garbage collector** for the whole compile of the frame, trace included (the backend's
   collector_paused covers only its own call; why: backend.collector_paused).
 - **Say what to do when a traced-once block holds a graph break**: dynamo refuses to split the nested compile
@@ -83,7 +84,7 @@ def _on_end(_args) -> None:
 def _shard_modules(options: dict | None, modules: list[nn.Module]) -> None:
     if not dtensor_params.trace_once_supported():
         return
-    roots = {id(m): m for m in modules if _has_plain(m)}
+    roots = {id(m): m for m in modules if dtensor_params.shardable(m)}
     if not roots:
         return
     try:
@@ -130,7 +131,3 @@ def _module_of(value) -> nn.Module | None:
         return value
     owner = getattr(value, "__self__", None)  # a bound method, e.g. model.forward
     return owner if isinstance(owner, nn.Module) else None
-
-
-def _has_plain(module: nn.Module) -> bool:
-    return any(not isinstance(p, dtensor_params.DTensor) for p in module.parameters())

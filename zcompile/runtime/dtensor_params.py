@@ -140,6 +140,13 @@ def owned(module: nn.Module) -> dict:
     return {name: zp for name, ref in _OWNED.get(module, {}).items() if (zp := ref()) is not None}
 
 
+def shardable(root: nn.Module) -> bool:
+    """`root` holds parameters shard_module would look at: plain ones, or DTensors of a deep copy of a module zcompile
+    sharded (not zcompile's yet)."""
+    return any(p is not None and (not isinstance(p, DTensor) or _copied(m, name))
+               for m in root.modules() for name, p in m._parameters.items())
+
+
 def _copied(module: nn.Module, name: str) -> bool:
     """The parameter is a DTensor of a deep copy of a module zcompile sharded (an EMA model): not zcompile's yet."""
     return name in getattr(type(module), "_zc_param_names", ()) and name not in _OWNED.get(module, {})
