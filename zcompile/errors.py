@@ -6,6 +6,8 @@ errors derive from it where it exists, and from RuntimeError otherwise.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch._dynamo.exc as _dynamo_exc
 
 _Passthrough = getattr(_dynamo_exc, "ShortenTraceback", RuntimeError)
@@ -48,3 +50,15 @@ class ZCompileError(ZeroError):
 class CheckpointError(ZeroError, ValueError):
     """A checkpoint that cannot be written or read as asked (missing, damaged, foreign, another world size); the
     message names the directory or file. Every rank raises it."""
+
+
+@contextlib.contextmanager
+def reported_as_zcompile_errors():
+    """Inside the zero backend's work: a ZeroError passes, anything else is re-raised as ZCompileError (dynamo turns
+    some exception types into a graph break that runs eager code, and wraps others as its own)."""
+    try:
+        yield
+    except ZeroError:
+        raise
+    except Exception as e:
+        raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e

@@ -37,11 +37,10 @@ from zcompile.compiler import backends, collectives, liveness, passes, planner, 
 from zcompile.compiler import before_trace, block_regions, fake_values, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
-from zcompile.runtime.dist_context import DistContext, set_group_timeout
+from zcompile.runtime.dist_context import DistContext
 from zcompile.compiler.dump import GraphDumper
-from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError
+from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError, reported_as_zcompile_errors
 from zcompile.compiler.pass_context import PassContext
-from zcompile.compiler.backends import warmup
 from zcompile.compiler.passes import placement
 from zcompile.compiler.topology import Topology
 from zcompile.config import Stage, Tier
@@ -433,14 +432,8 @@ def collector_paused():
 def zero_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
     """The `zero` backend for torch.compile."""
     before_trace.register()  # again after torch._dynamo.reset() dropped it, for the next frame's trace
-    try:
-        with collector_paused():
-            return _compile(gm, example_inputs, options, **kwargs)
-    except ZeroError:
-        raise
-    except Exception as e:
-        # dynamo turns some exception types into a graph break that runs eager code; re-raise as our own type.
-        raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e
+    with reported_as_zcompile_errors(), collector_paused():
+        return _compile(gm, example_inputs, options, **kwargs)
 
 
 def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
@@ -448,9 +441,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
         raise zconfig.ConfigError(f"zero backend: unexpected arguments {sorted(kwargs)}; pass options={{'config': ...}}")
     cfg = zconfig.frozen(options)
     ctx = DistContext.current()
-    if cfg.backend == "inductor":
-        warmup.start(ctx.device)  # inductor's one-time ISA probe, beside the tracing and passes that come first
-    set_group_timeout(ctx, cfg.collective_timeout_s)
+    before_trace.prepare(cfg, ctx)
     if not dtensor_params.trace_once_supported():
         _refuse_nested_regions(gm)  # before sharding: with DTensor parameters torch 2.11's dynamo fails on them itself
     if cfg.stage >= Stage.OPTIMIZER:

@@ -33,7 +33,7 @@ from torch._dynamo.exc import UncapturedHigherOrderOpError
 from zcompile import config as zconfig
 from zcompile.compiler.backends import warmup
 from zcompile.config import Stage
-from zcompile.errors import ZCompileError, ZeroError
+from zcompile.errors import reported_as_zcompile_errors
 from zcompile.runtime import dtensor_params
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
 
@@ -94,16 +94,18 @@ def _shard_modules(options: dict | None, modules: list[nn.Module]) -> None:
         return  # the backend raises it with its context
     if cfg.stage < Stage.OPTIMIZER:
         return
-    if cfg.backend == "inductor":
-        warmup.start(ctx.device)
-    set_group_timeout(ctx, cfg.collective_timeout_s)  # sharding may build meshes, as in the backend
-    try:
+    prepare(cfg, ctx)  # sharding may build meshes: under the configured timeout, as in the backend
+    with reported_as_zcompile_errors():
         for root in roots.values():
             dtensor_params.shard_model(root, cfg, ctx)
-    except ZeroError:
-        raise
-    except Exception as e:  # as the backend reports its own failures (dynamo would wrap this one as its own)
-        raise ZCompileError(f"zero backend failed: {type(e).__name__}: {e}") from e
+
+
+def prepare(cfg: zconfig.Config, ctx: DistContext) -> None:
+    """What every zero-backend compile does first, here or in the backend: start inductor's one-time CPU ISA probe
+    (beside the tracing and passes that come before inductor) and put the group under `collective_timeout_s`."""
+    if cfg.backend == "inductor":
+        warmup.start(ctx.device)
+    set_group_timeout(ctx, cfg.collective_timeout_s)
 
 
 def _zero_frame(frame) -> tuple[dict | None, dict] | None:
