@@ -553,6 +553,38 @@ def test_the_warmup_starts_once_and_only_for_cpu_compiles(monkeypatch):
     assert ran == [1] and not first.is_alive()
 
 
+def test_the_warmup_checks_the_candidate_isas_at_once(monkeypatch):
+    """Inductor checks each candidate ISA in turn (a g++ build and a child process each); the warmup checks the
+    ones this CPU's flags allow at once, so each check meets the others (a barrier: in turn, the first would time
+    out), and never one the CPU lacks."""
+    import platform
+    import threading
+    import types
+
+    from zcompile.compiler.backends import warmup
+    barrier, checked = threading.Barrier(3, timeout=20), []
+
+    class Isa:
+        def __init__(self, flags):
+            self.flags = flags
+
+        def __str__(self):
+            return self.flags
+
+        def __bool__(self):
+            checked.append(self.flags)
+            barrier.wait()  # raises in the thread (broken barrier) unless all three checks run together
+            checked.append("met")
+            return True
+
+    fake = types.SimpleNamespace(x86_isa_checker=lambda: ["avx2", "avx512", "avx512_vnni"],
+                                 supported_vec_isa_list=[Isa("amx_tile"), Isa("avx512 avx512_vnni"), Isa("avx512"),
+                                                         Isa("avx2")])
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    warmup._check_each(fake)
+    assert sorted(checked) == sorted(["avx512 avx512_vnni", "avx512", "avx2"] + ["met"] * 3), checked
+
+
 def test_an_eager_region_drops_what_inductor_needed_to_hold_collective_inputs():
     """hold_collective_inputs' force_stride_order and held_until are for inductor's buffer reuse; run eagerly the
     first copied its input on every call (a copy of each gathered bucket per step)."""
