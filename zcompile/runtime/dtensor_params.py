@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from zcompile.runtime import dist_context, shard_store
+from zcompile.runtime import dist_context, foreach_sharding_prop, shard_store
 from zcompile.errors import ZCompileError, ZeroError
 from zcompile.config import Stage, Tier
 
@@ -110,6 +110,7 @@ def shard_model(root: nn.Module, cfg, ctx) -> int:
 def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     """Replace every eligible parameter of `root` (and its submodules, tied ones once) by its DTensor; `register`
     maps a plain parameter to its ShardedParam. Returns how many were replaced."""
+    foreach_sharding_prop.install()  # the optimizer's first foreach step over the DTensors
     done: dict[int, nn.Parameter] = {}
     for path, module in root.named_modules():
         names = []
