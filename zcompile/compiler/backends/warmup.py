@@ -5,7 +5,8 @@ test library with g++ for each candidate ISA and loads each in a child Python, o
 forward's compile with a fresh cache, 1.2 s with a warm one, on the 2-core benchmark VM; docs/compile-time.md).
 That is waiting on subprocesses, so it runs beside dynamo's trace, AOTAutograd and the passes, which come first.
 The inductor compile joins it (`wait`): the probe's result is functools-cached, and two threads computing it at
-once would each build. The candidate ISAs are checked at once (`_check_each`), where inductor checks them in turn. A probe that fails here is left to inductor, which runs it again and reports as usual.
+once would each build. The candidate ISAs are checked at once (`_check_each`), where inductor checks them in turn.
+A probe that fails here is left to inductor, which runs it again and reports as usual.
 """
 from __future__ import annotations
 
