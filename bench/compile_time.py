@@ -9,7 +9,8 @@ For each system and depth (GPT, d=128, 4 heads, bench/compare.py's data: 4x128 t
 fresh processes: cold (an empty inductor cache directory) and warm (the same directory again, as a second launch of
 a job would find it). Compile time = first step - median of the next steps. Reports per run: compile time, step time,
 where zcompile's compile time goes (dynamo tracing, AOTAutograd and its partitioner, zcompile's passes, fake
-propagation, liveness, inductor per graph), inductor's FX graph cache and AOTAutograd cache hits/misses, and for
+propagation, liveness, inductor per graph), the first optimizer step (both systems), inductor's FX graph cache and
+AOTAutograd cache hits/misses, and for
 zcompile how many graph regions ran, how many of them ran compiled code (the others eagerly) and how many distinct
 ones were compiled (backends/regions.py), with each inductor compile's seconds, nodes and kernels in the JSON
 ('region compiles'), and the kernels inductor built in the cold launch (distinct sources, and the kernels each cached graph defines, summed). Writes a Markdown table, a JSON
@@ -140,6 +141,17 @@ def kernels_built(cache_dir: str) -> dict:
     return {"kernels defined": defined, "distinct kernels": len(distinct)}
 
 
+def _time_optimizer_steps() -> list:
+    """Seconds of each optimizer step, in order (torch's global step hooks): the first step over DTensor parameters
+    propagates their sharding for every foreach op, which counts in the compile time of both FSDP2 and zcompile."""
+    from torch.optim import optimizer
+    times, start = [], {}
+    optimizer.register_optimizer_step_pre_hook(lambda opt, args, kwargs: start.__setitem__("t", time.perf_counter()))
+    optimizer.register_optimizer_step_post_hook(
+        lambda opt, args, kwargs: times.append(time.perf_counter() - start["t"]))
+    return times
+
+
 def _cache_counters() -> dict:
     from torch._dynamo.utils import counters
     return {"fx graph cache hit": counters["inductor"]["fxgraph_cache_hit"],
@@ -156,6 +168,7 @@ def worker(rank: int, world: int, system: str, layers: int, args, run: str = "")
     step = setup(model, world, device, args)
     restart = _time_first_trace() if system.startswith("zcompile") else {}
     region_compiles = _time_region_compiles() if system.startswith("zcompile") else []
+    optimizer_steps = _time_optimizer_steps()
     times = []
     for i in range(1 + args.steps):
         x = compare.batch(i, rank, world, args.micro, args.seq, device)
@@ -170,7 +183,9 @@ def worker(rank: int, world: int, system: str, layers: int, args, run: str = "")
             profile.dump_stats(os.path.join(args.out, f"profile-{system}-{layers}-{run}.pstats"))
     median = statistics.median(times[1:])
     out = {"first_s": times[0], "step_s": median, "compile_s": max(times[0] - median, 0.0),
-           "loss": loss.item(), "phases": _dynamo_phases(), "cache": _cache_counters()}
+           "loss": loss.item(), "phases": _dynamo_phases(), "cache": _cache_counters(),
+           "first optimizer step_s": optimizer_steps[0] if optimizer_steps else None,
+           "optimizer step_s": statistics.median(optimizer_steps[1:]) if len(optimizer_steps) > 1 else None}
     if system.startswith("zcompile"):
         from zcompile.compiler import backend
         jobs = list(backend._COMPILED)
@@ -201,8 +216,9 @@ def markdown(rows: list[dict], header: str) -> str:
     out = [header, "",
            "| system | layers | step (ms) | cold compile (s) | warm compile (s) | cold: dynamo tracing / zcompile "
            "passes+analysis / inductor (s) | warm: FX graph cache hit/miss, AOT cache hit/miss | regions: run / "
-           "compiled code / distinct compiled (fw, bw) | kernels built: distinct / defined by the graphs | final loss |",
-           "|---|---:|---:|---:|---:|---|---|---|---|---:|"]
+           "compiled code / distinct compiled (fw, bw) | kernels built: distinct / defined by the graphs | first optimizer "
+           "step, cold / warm (s) | final loss |",
+           "|---|---:|---:|---:|---:|---|---|---|---|---|---:|"]
     for r in rows:
         cold, warm = r["cold"], r["warm"]
         if "error" in cold or "error" in warm:
@@ -216,8 +232,13 @@ def markdown(rows: list[dict], header: str) -> str:
                    f"{warm['compile_s']:.1f} | {p['dynamo tracing']:.1f} / {ours:.1f} / {p['inductor']:.1f} | "
                    f"{c['fx graph cache hit']}/{c['fx graph cache miss']}, {c['aot cache hit']}/{c['aot cache miss']} "
                    f"| {regions} | {cold.get('distinct kernels', '-')} / {cold.get('kernels defined', '-')} "
+                   f"| {_seconds(cold.get('first optimizer step_s'))} / {_seconds(warm.get('first optimizer step_s'))} "
                    f"| {warm['loss']:.4f} |")
     return "\n".join(out) + "\n"
+
+
+def _seconds(s) -> str:
+    return "-" if s is None else f"{s:.2f}"
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
