@@ -68,3 +68,36 @@ def test_an_optimizer_step_over_sharded_parameters_is_the_same_with_the_scan_wra
         assert ours.keys() == theirs.keys()
         for name in ours:
             assert torch.equal(ours[name], theirs[name]), name
+
+
+def _strided_foreach(rank: int, world: int) -> list:
+    """A foreach op over a `_StridedShard` DTensor and a `Shard(0)` one, with the scan wrapped and with torch's own:
+    each result's placements, shard order and values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    foreach_sharding_prop.install()
+    installed = _sharding_prop._propagate_use_strided_shard_flag
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    a = distribute_tensor(torch.randn(8, 4), mesh, [_StridedShard(0, split_factor=2)])
+    b = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    results = []
+    for scan in (installed, installed.__wrapped__):
+        _sharding_prop._propagate_use_strided_shard_flag = scan
+        xs = [a.clone(), b.clone()]
+        torch._foreach_add_(xs, [b.clone(), b.clone()])
+        results.append([(str(x.placements), str(x._spec.shard_order), x.full_tensor()) for x in xs])
+    _sharding_prop._propagate_use_strided_shard_flag = installed
+    return results
+
+
+@pytest.mark.skipif(not hasattr(_sharding_prop, "_propagate_use_strided_shard_flag"),
+                    reason="this torch has no such scan (2.11)")
+def test_a_foreach_op_over_a_strided_shard_is_the_same_with_the_scan_wrapped():
+    """The wrapper on torch's own op schemas with a `_StridedShard` argument (the mocks above stand in for them):
+    it scans them and hands the op to the original, with torch's result."""
+    for ours, theirs in run_world(2, _strided_foreach):
+        for (placements, order, value), (placements_, order_, value_) in zip(ours, theirs):
+            assert (placements, order) == (placements_, order_)
+            assert torch.equal(value, value_)
