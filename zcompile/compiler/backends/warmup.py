@@ -38,11 +38,18 @@ def _check_each(cpu_vec_isa) -> None:
     flags = cpu_vec_isa.x86_isa_checker()
     candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                   if all(flag in flags for flag in str(isa).split())]
-    threads = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in candidates]
+    threads = [threading.Thread(target=_check, args=(isa,), daemon=True) for isa in candidates]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+
+
+def _check(isa) -> None:
+    try:
+        bool(isa)  # a g++ build and a child process; the result is cached on the ISA object
+    except Exception:  # not cached: valid_vec_isa_list checks it again where inductor needs it, and raises there
+        pass
 
 
 def start(device: torch.device) -> None:
