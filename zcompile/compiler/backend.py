@@ -499,7 +499,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
     with job.timed("zcompile passes"):
         gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 
-    with block_regions.aot_call() if job.regions_kept else contextlib.nullcontext():
+    with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext():
         compiled = aot_autograd(
             fw_compiler=functools.partial(_boxed, job, "forward"),
             bw_compiler=functools.partial(_boxed, job, "backward"),

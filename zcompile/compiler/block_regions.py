@@ -11,7 +11,7 @@ What zcompile adds to torch's machinery:
   name: `inline_partitioned` gives the backward's placeholder the primal's name, by which the split passes find
   the parameters the backward gathers again;
 - the region HOP's autograd key re-traces the body at every call to refuse input mutation (~6 s of a 32-layer
-  GPT's joint trace): `why_not_bodies` checks each distinct body once, `aot_call` skips the per-call
+  GPT's joint trace): `why_not_bodies` checks each distinct body once, `mutation_check_once` skips the per-call
   check during zcompile's own AOTAutograd call;
 - where a region cannot stay one (`why_not`, `why_not_bodies`), the backend inlines the blocks first, as without
   the key.
@@ -142,19 +142,13 @@ class _Partitioner:
 
 
 @contextlib.contextmanager
-def aot_call():
-    """Around zcompile's own AOTAutograd call of a graph whose regions stay regions:
-    - the HOP's autograd key skips its per-call schema check, which re-traces the body (the bodies were checked
-      by `why_not_bodies`);
-    - inductor's joint-graph passes stay off: AOTAutograd routes a region's partitioner through inductor's
-      `partition_fn`, which first runs them (pattern rewrites, after a one-time pattern setup of ~0.4 s per
-      process). zcompile's outer partition never ran them, so a kept block is partitioned as an inlined one."""
-    import torch._inductor.config as inductor_config
+def mutation_check_once():
+    """Within zcompile's AOTAutograd call (the bodies were checked by `why_not_bodies`): the HOP's autograd key
+    skips its per-call schema, which re-traces the body."""
     old = _ISG._supports_training_input_mutation
     _ISG._supports_training_input_mutation = True
     try:
-        with inductor_config.patch(use_joint_graph_passes=False):
-            yield
+        yield
     finally:
         _ISG._supports_training_input_mutation = old
 
