@@ -10,11 +10,11 @@ fresh processes: cold (an empty inductor cache directory) and warm (the same dir
 a job would find it). Compile time = first step - median of the next steps. Reports per run: compile time, step time,
 where zcompile's compile time goes (dynamo tracing, AOTAutograd and its partitioner, zcompile's passes, fake
 propagation, liveness, inductor per graph), the first optimizer step (both systems), inductor's FX graph cache and
-AOTAutograd cache hits/misses, and for
-zcompile how many graph regions ran, how many of them ran compiled code (the others eagerly) and how many distinct
-ones were compiled (backends/regions.py), with each inductor compile's seconds, nodes and kernels in the JSON
-('region compiles'), and the kernels inductor built in the cold launch (distinct sources, and the kernels each cached graph defines, summed). Writes a Markdown table, a JSON
-file and a PNG plot to bench/results.
+AOTAutograd cache hits/misses, and for zcompile how many graph regions ran, how many of them ran compiled code (the
+others eagerly) and how many distinct ones were compiled (backends/regions.py), with each inductor compile's
+seconds, nodes and kernels in the JSON ('region compiles'), and the kernels inductor built in the cold launch
+(distinct sources, and the kernels each cached graph defines, summed). Writes a Markdown table, a JSON file and a
+PNG plot to bench/results.
 """
 from __future__ import annotations
 
@@ -216,8 +216,8 @@ def markdown(rows: list[dict], header: str) -> str:
     out = [header, "",
            "| system | layers | step (ms) | cold compile (s) | warm compile (s) | cold: dynamo tracing / zcompile "
            "passes+analysis / inductor (s) | warm: FX graph cache hit/miss, AOT cache hit/miss | regions: run / "
-           "compiled code / distinct compiled (fw, bw) | kernels built: distinct / defined by the graphs | first optimizer "
-           "step, cold / warm (s) | final loss |",
+           "compiled code / distinct compiled (fw, bw) | kernels built: distinct / defined by the graphs | "
+           "first optimizer step, cold / warm (s) | final loss |",
            "|---|---:|---:|---:|---:|---|---|---|---|---|---:|"]
     for r in rows:
         cold, warm = r["cold"], r["warm"]

@@ -501,9 +501,10 @@ def collector_during_compile(rank: int, world: int) -> dict:
 def traces_before_sharding(rank: int, world: int) -> dict:
     """How many times dynamo restarted a first trace because the backend had to shard the parameters, and the
     losses: a compiled model, a compiled step function (module argument) and a model compiled in place
-    (nn.Module.compile) with zcompile's compile-start hook installed; a model compiled right after a bare torch._dynamo.reset() (hook dropped: the backend shards and
-    restarts); one more model after that (the backend put the hook back); a deep copy of the first model, compiled. Also whether the collector was off when
-    dynamo started each compile, for zcompile's backend and for another."""
+    (nn.Module.compile) with zcompile's compile-start hook installed; a model compiled right after a bare
+    torch._dynamo.reset() (hook dropped: the backend shards and restarts); one more model after that (the backend
+    put the hook back); a deep copy of the first model, compiled. Also whether the collector was off when dynamo
+    started each compile, for zcompile's backend and for another."""
     import gc
     from functools import partial
     from torch._dynamo.callback import CallbackTrigger
@@ -551,7 +552,7 @@ def traces_before_sharding(rank: int, world: int) -> dict:
                 _, _, losses = train(rank, world, "gpt", config, 2, model=compiled, opt=opt)
             out[case] = {"losses": losses, "dtensors": all(isinstance(p, torch.distributed.tensor.DTensor)
                                                            for p in model.parameters())}
-            if case == "hook":  # a deep copy of the sharded model (an EMA), compiled: its DTensors are not zcompile's yet
+            if case == "hook":  # a deep copy of the sharded model (an EMA), compiled: its DTensors aren't zcompile's
                 out["case"] = "deep copy"
                 ema = copy.deepcopy(model)
                 x = rank_slice(global_batch(7, world), rank, world)

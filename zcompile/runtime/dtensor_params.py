@@ -115,7 +115,7 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     for path, module in root.named_modules():
         names = []
         for name, p in list(module._parameters.items()):
-            if p is None or (isinstance(p, DTensor) and not _copied(module, name)):
+            if not _to_shard(module, name, p):
                 continue
             if id(p) not in done:
                 plain = _whole(p) if isinstance(p, DTensor) else p  # alive until make_dtensor keeps it (retire)
@@ -142,10 +142,14 @@ def owned(module: nn.Module) -> dict:
 
 
 def shardable(root: nn.Module) -> bool:
-    """`root` holds parameters shard_module would look at: plain ones, or DTensors of a deep copy of a module zcompile
-    sharded (not zcompile's yet)."""
-    return any(p is not None and (not isinstance(p, DTensor) or _copied(m, name))
-               for m in root.modules() for name, p in m._parameters.items())
+    """`root` holds parameters shard_module would look at (`_to_shard`)."""
+    return any(_to_shard(m, name, p) for m in root.modules() for name, p in m._parameters.items())
+
+
+def _to_shard(module: nn.Module, name: str, p) -> bool:
+    """shard_module looks at this parameter: a plain one, or a DTensor of a deep copy of a module zcompile sharded
+    (not zcompile's yet)."""
+    return p is not None and (not isinstance(p, DTensor) or _copied(module, name))
 
 
 def _copied(module: nn.Module, name: str) -> bool:
