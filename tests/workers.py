@@ -571,3 +571,31 @@ def traces_before_sharding(rank: int, world: int) -> dict:
         backend._shard_modules_of = shard
     out["collector after"] = gc.isenabled()
     return out
+
+
+def cached_launch(rank: int, world: int, cases: list, steps: int, cache_dirs: list) -> list:
+    """One launch of a job over `cases` ((model name, config) each, in order), with this rank's inductor and
+    AOTAutograd cache in cache_dirs[rank]: per case the losses, the trained parameters, an evaluation forward under
+    no_grad (an inference graph), each parameter's compile decisions, how many graphs compiled and AOTAutograd's
+    cache counters."""
+    import os
+
+    from torch._dynamo.utils import counters
+    from zcompile.compiler import backend
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[rank]
+    out = []
+    for name, config in cases:
+        counters.clear()
+        before = set(backend._COMPILED)
+        model, _, losses = train(rank, world, name, config, steps)
+        with torch.no_grad():
+            x = rank_slice(global_batch(steps, world), rank, world)
+            evaluated = loss_of(model, name, x).item()
+        losses.append(loss_of(model, name, x).item())  # training again after compiling the inference graph
+        decisions = [(zp.persistent, str(zp.optim_tier), zp.secondary_numel)
+                     for zp in (p._zc for p in model.parameters())]
+        out.append({"losses": losses, "eval": evaluated, "decisions": decisions,
+                    "graphs": len(set(backend._COMPILED) - before),
+                    "params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()},
+                    "aot": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}})
+    return out

@@ -109,6 +109,8 @@ SCHEMA: dict[str, Any] = {
     "dump": Key((str, _NONE), None, "directory for per-rank, per-pass graph dumps (ZCOMPILE_DUMP_DIR overrides)"),
     "pipeline": Key((list, _NONE), None, "ordered pass names; default: the stage's pipeline"),
     "schedule_check": Key((bool,), True, "ranks compare a hash of their collective schedule before the first run"),
+    "compile_cache": Key((bool,), True, "a later launch loads each graph's transformed forward and backward from "
+                         "AOTAutograd's cache instead of tracing and running the passes again (off while dumping)"),
     "collective_timeout_s": Key((int, float), 300.0, "seconds before a rank waiting on peers fails instead of "
                                 "hanging", positive=True),
     "bucket_mb": Key((int, float), 25.0, "collectives are fused into buckets of up to this many MiB (0: one per "
@@ -232,6 +234,7 @@ class Config:
     dump: str | None = SCHEMA["dump"].default
     pipeline: tuple[str, ...] | None = SCHEMA["pipeline"].default
     schedule_check: bool = SCHEMA["schedule_check"].default
+    compile_cache: bool = SCHEMA["compile_cache"].default
     collective_timeout_s: float = SCHEMA["collective_timeout_s"].default
     bucket_mb: float = SCHEMA["bucket_mb"].default
     prefetch: int = SCHEMA["prefetch"].default
@@ -431,7 +434,8 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     cfg = Config(stage=stage, backend=v["backend"], regional_compile=v["regional_compile"],
                  trace_blocks_once=v["trace_blocks_once"], keep_block_regions=v["keep_block_regions"],
                  mixed_precision=mp, dump=v["dump"], pipeline=pipeline,
-                 schedule_check=v["schedule_check"], collective_timeout_s=float(v["collective_timeout_s"]),
+                 schedule_check=v["schedule_check"], compile_cache=v["compile_cache"],
+                 collective_timeout_s=float(v["collective_timeout_s"]),
                  bucket_mb=float(v["bucket_mb"]), prefetch=v["prefetch"],
                  # the two sizes as given: a memory_budget fraction is resolved against the device later
                  memory_budget=raw.get("memory_budget"), over_budget=v["over_budget"],

@@ -21,6 +21,7 @@ import itertools
 import time
 import warnings
 import weakref
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -34,13 +35,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
-from zcompile.compiler import before_trace, block_regions, fake_values, trace_blocks_once
+from zcompile.compiler import before_trace, block_regions, fake_values, graph_cache, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext
 from zcompile.compiler.dump import GraphDumper
 from zcompile.errors import MemoryBudgetError, ZCompileError, ZeroError, reported_as_zcompile_errors
-from zcompile.compiler.pass_context import PassContext
+from zcompile.compiler.pass_context import PassContext, SideInput
 from zcompile.compiler.passes import placement
 from zcompile.compiler.topology import Topology
 from zcompile.config import Stage, Tier
@@ -105,6 +106,10 @@ class _GraphCompile:
         # graph kind -> (regions, regions running compiled code, distinct regions compiled)
         self.regions: dict[str, tuple[int, int, int]] = {}
         self.regions_kept = False  # the blocks traced once went through AOTAutograd as regions (block_regions)
+        self.schedule: tuple[int, str] = (0, "")  # schedule_check.fingerprint of the compiled graphs
+        # kind -> (final graph, its pass context, subgroup names -> process group names), as committed
+        self.committed: dict[str, tuple[fx.GraphModule, PassContext, dict[str, str]]] = {}
+        self.outer_cache_tag = ""  # the user's torch.compiler.config.cache_key_tag (graph_cache)
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -260,8 +265,7 @@ class _GraphCompile:
         self.check_budget({"forward": fw, "backward": bw})
         self.dump.schedule({"forward": fw, "backward": bw}, self.cost_model())
         if self.cfg.schedule_check:
-            self.schedule_identity = schedule_check.agree(self.ctx, self.graph_id, {"forward": fw, "backward": bw},
-                                                          self.cfg.collective_timeout_s)
+            self.agree({"forward": fw, "backward": bw})
         return fw, bw
 
     def partition_region(self, params: dict, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
@@ -276,6 +280,12 @@ class _GraphCompile:
         with self.timed("partition"):
             return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                        **kwargs)
+
+    def agree(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """The ranks compare the collective schedules of the graphs just compiled before running them."""
+        self.schedule = schedule_check.fingerprint(graphs)
+        self.schedule_identity = self.schedule[0]
+        schedule_check.announce(self.ctx, self.graph_id, *self.schedule, self.cfg.collective_timeout_s)
 
     def run_check(self, kind: str):
         """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check), and
@@ -299,10 +309,10 @@ class _GraphCompile:
             self.check_budget({"inference": gm})
             self.dump.schedule({"inference": gm}, self.cost_model())
             if self.cfg.schedule_check:
-                self.schedule_identity = schedule_check.agree(self.ctx, self.graph_id, {"inference": gm},
-                                                              self.cfg.collective_timeout_s)
-        else:
+                self.agree({"inference": gm})
+        else:  # the graph AOTAutograd hands over (with its backward lowered at once, a copy of the partition's)
             pctx = self.fw_pctx if kind == "forward" else self.bw_pctx
+            self.final[kind] = gm
         # AOTAutograd's example inputs carry the real layout of saved activations; ours, the shards and side inputs.
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         fake_inputs = [n.meta["val"] if n.name in pctx.own_placeholders or k >= len(example_inputs)
@@ -317,6 +327,72 @@ class _GraphCompile:
             return _dry_runner(gm)
         return self.commit_graph(kind, gm, fake_inputs, pctx, planned)
 
+    def cache_record(self, kind: str) -> tuple[fx.GraphModule, dict]:
+        """What graph_cache stores of the committed graph `kind` besides the graph: the pass context's side inputs,
+        subgroups and own placeholders, and with the forward (or inference) graph the job's decisions."""
+        gm, pctx, _ = self.committed[kind]
+        index = {id(zp): i for i, zp in self.params.items()}
+        record = {"side_inputs": [(index[id(s.zp)], s.kind) for s in pctx.side_inputs],
+                  "subgroups": list(pctx.subgroups), "own_placeholders": sorted(pctx.own_placeholders)}
+        if kind != "backward":
+            record.update(
+                params={i: (zp.persist_decided, zp.persistent, zp.optim_tier, zp.secondary_numel,
+                            getattr(zp, "secondary_dtype", None)) for i, zp in self.params.items()},
+                notes=list(self.notes), num_fwd_outputs=self.num_fwd_outputs, offloaded=dict(self.offloaded),
+                schedule=self.schedule, schedule_checked=self.cfg.schedule_check)
+        return gm, record
+
+    @contextlib.contextmanager
+    def graph_picklable(self, gm: fx.GraphModule):
+        """`gm` as compiled, with nothing of this process in it: subgroup names before the commit created their
+        process groups (a side input's parameter is in the record, not in the pickled node meta)."""
+        _, _, made = self.committed[next(k for k, c in self.committed.items() if c[0] is gm)]
+        collectives.rename_groups(gm, {v: k for k, v in made.items()})
+        # module stacks name their modules' classes, which may be ones made at run time: kept as their names
+        stacks = {(n, key): n.meta[key] for n in gm.graph.nodes for key in ("nn_module_stack", "fwd_nn_module_stack")
+                  if n.meta.get(key)}
+        for (n, key), stack in stacks.items():
+            n.meta[key] = {k: (path, getattr(cls, "__qualname__", str(cls))) for k, (path, cls) in stack.items()}
+        # a kept block region's partition settings (block_regions.mark) name this job's partition function
+        regions = {n: n.meta["custom"] for n in gm.graph.nodes if "nested_region_config" in n.meta.get("custom", {})}
+        for n, custom in regions.items():
+            n.meta["custom"] = {k: v for k, v in custom.items() if k != "nested_region_config"}
+        try:
+            yield
+        finally:
+            for n, custom in regions.items():
+                n.meta["custom"] = custom
+            for (n, key), stack in stacks.items():
+                n.meta[key] = stack
+            collectives.rename_groups(gm, made)
+
+    def load_cached(self, kind: str, record: dict, loads) -> Callable:
+        """graph_cache hit: the graph `kind` and the decisions compiling it made, restored into this job, then
+        committed as a compiled graph would be."""
+        gm = _lazy(loads(record["graph"]))  # unpickled without its code: generated if run (eager, a whole graph)
+        if kind != "backward":
+            for i, (decided, persistent, tier, secondary, secondary_dtype) in record["params"].items():
+                zp = self.params[i]
+                zp.persist_decided, zp.persistent, zp.optim_tier = decided, persistent, tier
+                if secondary:
+                    zp.use_secondary(secondary, secondary_dtype)
+            self.notes = list(record["notes"])
+            self.num_fwd_outputs = record["num_fwd_outputs"]
+            self.offloaded.update(record["offloaded"])
+            if record["schedule_checked"]:
+                self.schedule = record["schedule"]
+                self.schedule_identity = self.schedule[0]
+                schedule_check.announce(self.ctx, self.graph_id, *self.schedule, self.cfg.collective_timeout_s)
+        pctx = self.pctx(kind)
+        pctx.side_inputs = [SideInput(self.params[i], side_kind) for i, side_kind in record["side_inputs"]]
+        pctx.subgroups = list(record["subgroups"])
+        pctx.own_placeholders = set(record["own_placeholders"])
+        self.final[kind] = gm
+        fake_inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+        with self.timed("liveness"):
+            planned = self.planned[kind] = liveness.analyze(gm)
+        return self.commit_graph(kind, gm, fake_inputs, pctx, planned)
+
     def commit_graph(self, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: PassContext,
                      planned: liveness.Liveness):
         """The commit step: what compiling decided becomes runtime state, and the graph becomes a function.
@@ -328,6 +404,7 @@ class _GraphCompile:
                 zp.attach_master()
             made = {g.name: groups.realize(self.ctx, g, self.cfg.collective_timeout_s).name for g in pctx.subgroups}
         collectives.rename_groups(gm, made)
+        self.committed[kind] = (gm, pctx, made)
         with self.timed(f"{self.cfg.backend} {kind}"):
             compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind, self.cfg.regional_compile)
         if hasattr(compiled, "regions"):
@@ -499,11 +576,15 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
     with job.timed("zcompile passes"):
         gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 
-    with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext():
+    cached = graph_cache.usable(job)
+    compiler = functools.partial(graph_cache.compiler, job) if cached else lambda kind, fn: functools.partial(fn, job,
+                                                                                                            kind)
+    with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext(), \
+            graph_cache.keyed(job) if cached else contextlib.nullcontext():
         compiled = aot_autograd(
-            fw_compiler=functools.partial(_boxed, job, "forward"),
-            bw_compiler=functools.partial(_boxed, job, "backward"),
-            inference_compiler=functools.partial(_boxed, job, "inference"),
+            fw_compiler=compiler("forward", _boxed),
+            bw_compiler=compiler("backward", _boxed),
+            inference_compiler=compiler("inference", _boxed),
             partition_fn=job.partition,
             decompositions=select_decomp_table(),
         )(gm, example_inputs)

@@ -111,9 +111,6 @@ def exchange(ctx: DistContext, mine: torch.Tensor, timeout_s: float) -> None:
         "rank).")
 
 
-def agree(ctx: DistContext, graph_id: int, graphs: dict[str, fx.GraphModule], timeout_s: float) -> int:
-    """After compiling: ranks compare their collective schedules before running them; returns the schedule's
-    identity (part of each run's identity)."""
-    identity, summary = fingerprint(graphs)
+def announce(ctx: DistContext, graph_id: int, identity: int, summary: str, timeout_s: float) -> None:
+    """After compiling: ranks compare their collective schedules (`fingerprint`) before running them."""
     exchange(ctx, record(SCHEDULE, identity, f"graph {graph_id} ({summary})"), timeout_s)
-    return identity

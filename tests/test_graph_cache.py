@@ -1,0 +1,57 @@
+"""A second launch loads each graph's transformed forward and backward from AOTAutograd's cache
+(compiler/graph_cache.py) and trains exactly as the first, which compiled them."""
+import torch
+
+from tests import workers
+from tests.harness import run_world
+
+ZEROPP = {"stage": 3, "backend": "eager", "quantize_weights": {}, "quantize_gradients": {"block": 64}}
+CASES = [
+    ("gpt", {"stage": 3, "backend": "inductor"}),
+    # blocks kept as regions through AOTAutograd (their partition settings name the job: not stored)
+    ("gpt", {"stage": 3, "backend": "eager", "keep_block_regions": True, "bucket_mb": 0.01}),
+    # whole parameters, host optimizer state and activations: decisions outside the graphs
+    ("gpt", {"stage": 3, "backend": "eager", "persist_threshold": 4096,
+             "offload": {"optimizer": "cpu", "activations": "cpu", "activation_min_bytes": 0}}),
+    ("gpt", {"stage": 3, "backend": "eager", "memory_budget": "1GiB", "offload": {"optimizer": "auto"}}),
+    ("gpt", dict(ZEROPP, ranks_per_node=2, hpz_partition_size=2)),  # hpZ: secondary partitions
+    ("gpt", {"stage": 2, "backend": "eager"}),
+    ("gpt", {"stage": 1, "backend": "eager"}),
+    # guarded on the pytree registry, which storing or loading a graph must not touch (else: a recompile)
+    ("llama", {"stage": 3, "backend": "eager"}),
+]
+STEPS = 3
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["losses"] == b["losses"] and a["eval"] == b["eval"] and a["decisions"] == b["decisions"]
+            and all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]))
+
+
+def test_a_second_launch_loads_the_graphs_and_trains_bit_identically(tmp_path):
+    """Launch 1 compiles and stores every graph (forward+backward and the evaluation's inference graph); launch 2,
+    on the same cache, loads them all (no trace, no passes) and gives the same losses, parameters and decisions bit
+    for bit. A rank that finds the cache while the other does not (rank 1 on an empty directory) meets the other at
+    the same collectives: same results. A changed config or `compile_cache: false` does not load."""
+    dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    first = run_world(2, workers.cached_launch, CASES, STEPS, dirs, timeout=900)
+    second = run_world(2, workers.cached_launch, CASES, STEPS, dirs, timeout=900)
+    for rank in range(2):
+        for case, a, b in zip(CASES, first[rank], second[rank]):
+            graphs = a["graphs"]  # the training and the inference graph: nothing recompiled
+            assert graphs == b["graphs"] == 2, (case, a["graphs"], b["graphs"])
+            assert a["aot"].get("autograd_cache_hit", 0) == 0 and a["aot"].get("autograd_cache_saved", 0) == graphs, \
+                (case, a["aot"])
+            assert b["aot"].get("autograd_cache_hit", 0) == graphs and b["aot"].get("autograd_cache_miss", 0) == 0, \
+                (case, b["aot"])
+            assert _same(a, b), case
+    # rank 0 loads, rank 1 compiles: the schedule check and the subgroups meet in the same order
+    mixed_cases = CASES[:1] + [("gpt", dict(ZEROPP, ranks_per_node=1))]  # qgZ over 2 nodes: subgroups
+    mixed = run_world(2, workers.cached_launch, mixed_cases, STEPS, [dirs[0], str(tmp_path / "fresh")], timeout=900)
+    assert mixed[0][0]["aot"].get("autograd_cache_hit", 0) == 2 and mixed[1][0]["aot"].get("autograd_cache_hit", 0) == 0
+    for rank in range(2):
+        assert _same(mixed[rank][0], first[rank][0])
+    changed = [("gpt", dict(CASES[0][1], bucket_mb=0.01)), ("gpt", dict(CASES[0][1], compile_cache=False))]
+    for out in run_world(2, workers.cached_launch, changed, STEPS, dirs, timeout=900):
+        assert [o["aot"].get("autograd_cache_hit", 0) for o in out] == [0, 0], [o["aot"] for o in out]
+        assert out[1]["aot"].get("autograd_cache_saved", 0) == 0

@@ -1,0 +1,165 @@
+"""A job's final graphs and decisions kept in AOTAutograd's cache, so the next launch skips the joint trace and the
+passes (`compile_cache`, docs/compile-time.md "Warm launches load the transformed graphs").
+
+zcompile's forward and backward compilers return a `ZeroGraphCode`, an inductor OutputCode that AOTAutograd's
+cache stores whole (its "bundled" mode, as `regional_inductor`'s RegionalOutputCode): the final graph pickled with
+its fake values (torch.fx._graph_pickler) and what the passes decided outside the graph (which parameters stay
+whole, optimizer tiers, hpZ partitions, side inputs, subgroups, offloaded activations, the schedule's identity).
+AOTAutograd keys the entry on the dynamo graph, its inputs and torch's configs; `key_tag` adds everything else a
+zcompile graph depends on: the config, world, rank, group names and topology, each parameter's state, and the
+zcompile source. On a hit AOTAutograd rebuilds its runtime wrapper from the entry and hands each graph back to
+`ZeroGraphCode.post_compile`, which restores the decisions into the job and commits the graph (the region compiles
+then hit inductor's FX graph cache). The backward compiles with the forward (not at the first backward), so a rank
+that hits and one that misses reach the same collectives (schedule agreement, subgroup creation) in the same order.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import os
+import threading
+
+import torch
+import torch.fx as fx
+
+_current = threading.local()  # the _GraphCompile whose aot_autograd call is running (post_compile reads it)
+
+
+def usable(job) -> bool:
+    """Whether this compile goes through the cache: on (`compile_cache`), committed (not `zcompile plan`), with no
+    graph dumps asked for (a hit runs no passes, so it would dump nothing), and torch's bundled cache present."""
+    return bool(job.cfg.compile_cache and job.commit and not job.cfg.dump_dir and _SUPPORTED)
+
+
+try:  # torch >= 2.11: AOTAutograd's cache stores a custom OutputCode whole
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
+    from torch.fx._graph_pickler import GraphPickler, Options, _GraphUnpickler, _UnpickleState
+    _SUPPORTED = True
+except ImportError:  # pragma: no cover
+    OutputCode, _SUPPORTED = object, False
+
+
+@functools.cache
+def _source_hash() -> str:
+    """zcompile's own code: a changed pass must not load a graph an older one produced."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def key_tag(job) -> str:
+    """What a zcompile graph depends on beyond the dynamo graph and its inputs (AOTAutograd's key)."""
+    cfg, ctx = job.cfg, job.ctx
+    params = [(i, zp.key, int(zp.stage), zp.shape, str(zp.dtype), zp.world, zp.rank, str(zp.param_tier),
+               str(zp.optim_tier), zp.persist_decided, zp.persistent, zp.secondary_numel, zp.row_multiple,
+               zp.group_name) for i, zp in job.params.items()]
+    parts = (_source_hash(), repr(cfg), cfg.memory_budget_bytes(ctx.device), ctx.world, ctx.rank, ctx.group_name,
+             str(ctx.device), job.topology.ranks_per_node, job.regions_kept, job.num_args, params)
+    return "zcompile:" + hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def keyed(job):
+    """The aot_autograd call of `job` saves to and loads from the cache under `key_tag(job)`."""
+    outer = torch.compiler.config.cache_key_tag
+    _current.job = job
+    try:
+        with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \
+                torch.compiler.config.patch(cache_key_tag=f"{outer}|{key_tag(job)}"):
+            job.outer_cache_tag = outer
+            yield
+    finally:
+        _current.job = None
+
+
+@contextlib.contextmanager
+def _inner(job):
+    """Inside zcompile's compilers: the region compiles use inductor's FX graph cache (which the bundled mode turns
+    off) under the user's own cache tag."""
+    with torch._functorch.config.patch(bundled_autograd_cache=False), \
+            torch.compiler.config.patch(cache_key_tag=job.outer_cache_tag):
+        yield
+
+
+def compiler(job, kind: str, compile_fn):
+    """AOTAutograd's compiler for `kind`: compile_fn(job, kind, gm, example_inputs) -> the graph's function, returned
+    as a ZeroGraphCode the cache can store."""
+    def compile_code(gm: fx.GraphModule, example_inputs):
+        with _inner(job):
+            run = compile_fn(job, kind, gm, example_inputs)
+        return ZeroGraphCode(job, kind, run)
+    return SerializableAOTDispatchCompiler(ZeroGraphCode, compile_code)
+
+
+def _meta_kept(key: str) -> bool:
+    # dynamo's sources and stacks hold frames and modules; `from_node` is provenance only; a side input's
+    # parameter (read by the split passes only) is in the record
+    return key not in ("source_fn_stack", "fwd_source_fn_stack", "grapharg", "from_node", "example_value", "zc_side")
+
+
+class ZeroGraphCode(OutputCode):
+    """One committed zcompile graph as AOTAutograd's cache stores it: the running function, or, on disk, the
+    pickled final graph and the job's decisions for this graph (`_GraphCompile.cache_record`)."""
+
+    def __init__(self, job, kind: str, run):
+        super().__init__()
+        self.kind, self._job, self._run, self.record = kind, job, run, None
+        self._boxed_call = True  # an instance attribute: AOTAutograd reads it through wrappers that copy __dict__
+
+    def __call__(self, inputs):
+        return self._run(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        job, self._job, self._run = self._job, None, None
+        graph, record = job.cache_record(self.kind)
+        if any(map(_symbolic, graph.graph.find_nodes(op="placeholder"))):
+            raise BypassAOTAutogradCache("zcompile: a graph with dynamic shapes is not cached")
+        with job.graph_picklable(graph):
+            record["graph"] = _dumps(graph)
+        self.record = record
+
+    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+        if self._run is not None:
+            return
+        job = getattr(_current, "job", None)
+        if job is None:
+            raise RuntimeError("a zcompile graph loaded from AOTAutograd's cache outside zcompile's backend")
+        from torch._guards import detect_fake_mode
+        fake_mode = detect_fake_mode(example_inputs)
+        with _inner(job):
+            self._run = job.load_cached(self.kind, self.record, lambda data: _loads(data, fake_mode))
+        self.record = None  # the pickled graph is not kept for the life of the process
+
+    def set_triton_bundle(self, triton_bundle) -> None:
+        pass
+
+
+# GraphPickler.dumps/loads as in torch 2.11. torch 2.13's register `slice` as a pytree node for the call and
+# deregister it after, which changes the pytree registry's version: dynamo's guards on it (a Hugging Face model's
+# output capturing) then fail and its frames recompile. zcompile's graphs are ATen graphs: no slice in an argument.
+def _dumps(graph: fx.GraphModule) -> bytes:
+    with io.BytesIO() as stream:
+        GraphPickler(stream, Options(ops_filter=None, node_metadata_key_filter=_meta_kept)).dump(graph)
+        return stream.getvalue()
+
+
+def _loads(data: bytes, fake_mode) -> fx.GraphModule:
+    with io.BytesIO(data) as stream:
+        return _GraphUnpickler(stream, _UnpickleState(fake_mode)).load()
+
+
+def _symbolic(placeholder: fx.Node) -> bool:
+    val = placeholder.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
