@@ -1,9 +1,12 @@
 """A second launch loads each graph's transformed forward and backward from AOTAutograd's cache
 (compiler/graph_cache.py) and trains exactly as the first, which compiled them."""
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests import workers
 from tests.harness import run_world
+from tests.test_fake_values import _describe, _model
+from zcompile.compiler import graph_cache
 
 ZEROPP = {"stage": 3, "backend": "eager", "quantize_weights": {}, "quantize_gradients": {"block": 64}}
 CASES = [
@@ -55,3 +58,19 @@ def test_a_second_launch_loads_the_graphs_and_trains_bit_identically(tmp_path):
     for out in run_world(2, workers.cached_launch, changed, STEPS, dirs, timeout=900):
         assert [o["aot"].get("autograd_cache_hit", 0) for o in out] == [0, 0], [o["aot"] for o in out]
         assert out[1]["aot"].get("autograd_cache_saved", 0) == 0
+
+
+def test_a_stored_graph_loads_with_its_fake_values_and_their_storage_sharing():
+    """Each node's fake value comes back with its layout, dtype, storage size and the storages it shares with
+    other nodes' (views, split outputs, in-place results, a view as another dtype, resize_, t_): what liveness
+    and the region compiles read. Not whether it was a view (nothing reads that)."""
+    gm = make_fx(_model, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
+    mode = torch._guards.detect_fake_mode([n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")])
+    loaded = graph_cache._loads(graph_cache._dumps(gm), mode)
+
+    def described(g):
+        return [(name, kind, [r[:7] + r[8:] if isinstance(r, tuple) else r for r in row])
+                for name, kind, row in _describe(g)]
+    assert described(loaded) == described(gm)
+    assert len({v.untyped_storage()._cdata for n in loaded.graph.nodes
+                for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}) < len(loaded.graph.nodes) - 20

@@ -327,10 +327,11 @@ class _GraphCompile:
             return _dry_runner(gm)
         return self.commit_graph(kind, gm, fake_inputs, pctx, planned)
 
-    def cache_record(self, kind: str) -> tuple[fx.GraphModule, dict]:
-        """What graph_cache stores of the committed graph `kind` besides the graph: the pass context's side inputs,
-        subgroups and own placeholders, and with the forward (or inference) graph the job's decisions."""
-        gm, pctx, _ = self.committed[kind]
+    def cache_record(self, kind: str) -> tuple[fx.GraphModule, dict[str, str], dict]:
+        """What graph_cache stores of the committed graph `kind`: the graph, the names its commit gave its subgroups,
+        and a record of the pass context's side inputs (by parameter index), subgroups and own placeholders, with the
+        forward (or inference) graph also the job's decisions."""
+        gm, pctx, made = self.committed[kind]
         index = {id(zp): i for i, zp in self.params.items()}
         record = {"side_inputs": [(index[id(s.zp)], s.kind) for s in pctx.side_inputs],
                   "subgroups": list(pctx.subgroups), "own_placeholders": sorted(pctx.own_placeholders)}
@@ -340,31 +341,7 @@ class _GraphCompile:
                             getattr(zp, "secondary_dtype", None)) for i, zp in self.params.items()},
                 notes=list(self.notes), num_fwd_outputs=self.num_fwd_outputs, offloaded=dict(self.offloaded),
                 schedule=self.schedule, schedule_checked=self.cfg.schedule_check)
-        return gm, record
-
-    @contextlib.contextmanager
-    def graph_picklable(self, gm: fx.GraphModule):
-        """`gm` as compiled, with nothing of this process in it: subgroup names before the commit created their
-        process groups (a side input's parameter is in the record, not in the pickled node meta)."""
-        _, _, made = self.committed[next(k for k, c in self.committed.items() if c[0] is gm)]
-        collectives.rename_groups(gm, {v: k for k, v in made.items()})
-        # module stacks name their modules' classes, which may be ones made at run time: kept as their names
-        stacks = {(n, key): n.meta[key] for n in gm.graph.nodes for key in ("nn_module_stack", "fwd_nn_module_stack")
-                  if n.meta.get(key)}
-        for (n, key), stack in stacks.items():
-            n.meta[key] = {k: (path, getattr(cls, "__qualname__", str(cls))) for k, (path, cls) in stack.items()}
-        # a kept block region's partition settings (block_regions.mark) name this job's partition function
-        regions = {n: n.meta["custom"] for n in gm.graph.nodes if "nested_region_config" in n.meta.get("custom", {})}
-        for n, custom in regions.items():
-            n.meta["custom"] = {k: v for k, v in custom.items() if k != "nested_region_config"}
-        try:
-            yield
-        finally:
-            for n, custom in regions.items():
-                n.meta["custom"] = custom
-            for (n, key), stack in stacks.items():
-                n.meta[key] = stack
-            collectives.rename_groups(gm, made)
+        return gm, made, record
 
     def load_cached(self, kind: str, record: dict, loads) -> Callable:
         """graph_cache hit: the graph `kind` and the decisions compiling it made, restored into this job, then
@@ -577,14 +554,15 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
         gm = passes.run_phase("dynamo", gm, job.pctx("dynamo"), job.dumper("dynamo"))
 
     cached = graph_cache.usable(job)
-    compiler = functools.partial(graph_cache.compiler, job) if cached else lambda kind, fn: functools.partial(fn, job,
-                                                                                                            kind)
+
+    def compiler(kind: str):
+        return graph_cache.compiler(job, kind, _boxed) if cached else functools.partial(_boxed, job, kind)
     with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext(), \
             graph_cache.keyed(job) if cached else contextlib.nullcontext():
         compiled = aot_autograd(
-            fw_compiler=compiler("forward", _boxed),
-            bw_compiler=compiler("backward", _boxed),
-            inference_compiler=compiler("inference", _boxed),
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
             partition_fn=job.partition,
             decompositions=select_decomp_table(),
         )(gm, example_inputs)
