@@ -40,10 +40,12 @@ try:  # torch >= 2.11: AOTAutograd's cache stores a custom OutputCode whole
     from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
     from torch._inductor.output_code import OutputCode
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-    from torch.fx._graph_pickler import GraphPickler, Options, _GraphUnpickler, _UnpickleState
+    from torch.fx._graph_pickler import (GraphPickler, Options, _GraphModulePickleData, _GraphPickleData,
+                                         _GraphUnpickler, _NodePickleData, _OpPickleData, _UnpickleState)
     _SUPPORTED = True
 except ImportError:  # pragma: no cover
-    OutputCode, GraphPickler, _SUPPORTED = object, object, False
+    OutputCode = GraphPickler = _GraphModulePickleData = _GraphPickleData = _NodePickleData = object
+    _SUPPORTED = False
 
 
 @functools.cache
@@ -170,16 +172,21 @@ def _picklable(gm: fx.GraphModule, made: dict[str, str]):
         collectives.rename_groups(gm, made)
 
 
+_OPTIONS = Options(ops_filter=None, node_metadata_key_filter=_meta_kept) if _SUPPORTED else None
+
+
 class _Pickler(GraphPickler):
     """GraphPickler, with a node's fake value of static layout stored as its layout and which storage it shares
     (GraphPickler describes each in full and rebuilds it through the meta converter: at 32 layers 2.3 s to store
     the forward and backward and 1.8 s to load them, against ~0.x s this way)."""
 
     def __init__(self, stream: io.BytesIO):
-        super().__init__(stream, Options(ops_filter=None, node_metadata_key_filter=_meta_kept))
+        super().__init__(stream, _OPTIONS)
         self._storages: dict[int, int] = {}
 
     def reducer_override(self, obj):
+        if isinstance(obj, fx.GraphModule):
+            return _GraphModuleData.unpickle, (_GraphModuleData(obj), self._unpickle_state)
         if type(obj) is FakeTensor and obj.constant is None:
             shape, stride, offset = tuple(obj.shape), obj.stride(), obj.storage_offset()
             storage = obj.untyped_storage()
@@ -189,6 +196,42 @@ class _Pickler(GraphPickler):
                 return _fake_tensor, (self._unpickle_state, key, nbytes, shape, stride, offset, obj.dtype,
                                       obj.device, obj.requires_grad)
         return super().reducer_override(obj)
+
+
+class _GraphModuleData(_GraphModulePickleData):
+    """GraphPickler's, without generating the module's code first (the loaded graph is a lazy module)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm_dict = {k: v for k, v in gm.__dict__.items() if k != "_graph"}
+        self.graph = _GraphData(gm._graph)
+
+
+class _GraphData(_GraphPickleData):
+    def __init__(self, graph: fx.Graph):
+        self.tracer_cls, self.tracer_extras, self._codegen = graph._tracer_cls, graph._tracer_extras, graph._codegen
+        nodes: dict = {}
+        for node in graph.nodes:
+            nodes[node] = _NodeData(node, nodes)
+        self.nodes = tuple(nodes.values())
+
+
+class _NodeData(_NodePickleData):
+    """GraphPickler's, with the arguments mapped by fx's own map_arg instead of pytree (most of the time it took)."""
+
+    def __init__(self, node: fx.Node, mapping: dict):
+        self.args = fx.node.map_arg(node.args, mapping.__getitem__)
+        self.kwargs = fx.node.map_arg(node.kwargs, mapping.__getitem__)
+        self.name, self.op, self.type = node.name, node.op, node.type
+        self.target = _OpPickleData.pickle(node.target, _OPTIONS)
+        self.meta = {k: v for k, v in node.meta.items() if _meta_kept(k)}
+
+    def unpickle(self, graph: fx.Graph, mapping: dict, unpickle_state) -> fx.Node:
+        def arg(a):
+            return mapping[a] if isinstance(a, _NodeData) else a
+        node = graph.create_node(self.op, self.target.unpickle(unpickle_state), fx.node.map_aggregate(self.args, arg),
+                                 fx.node.map_aggregate(self.kwargs, arg), self.name, self.type)
+        node.meta = self.meta
+        return node
 
 
 def _fake_tensor(state, key: int, nbytes: int, shape, stride, offset: int, dtype, device, requires_grad: bool):
