@@ -9,8 +9,10 @@ AOTAutograd keys the entry on the dynamo graph, its inputs and torch's configs; 
 zcompile graph depends on: the config, world, rank, group names and topology, each parameter's state, and the
 zcompile source. On a hit AOTAutograd rebuilds its runtime wrapper from the entry and hands each graph back to
 `ZeroGraphCode.post_compile`, which restores the decisions into the job and commits the graph (the region compiles
-then hit inductor's FX graph cache). The backward compiles with the forward (not at the first backward), so a rank
-that hits and one that misses reach the same collectives (schedule agreement, subgroup creation) in the same order.
+then hit inductor's FX graph cache). The backward compiles with the forward (not at the first backward): AOTAutograd
+saves an entry after its backward compiles, and in the bundled mode only, which zcompile sets for its own call; and a
+rank that hits and one that misses then reach the same collectives (schedule agreement, subgroup creation) in the
+same order. Graphs with dynamic sizes are not stored.
 """
 from __future__ import annotations
 
