@@ -91,7 +91,6 @@ class _GraphCompile:
         self.cfg, self.ctx, self.params, self.num_args = cfg, ctx, params, num_args
         self.commit = commit  # False: a dry compile (zcompile plan), whose graphs are analyzed, never run
         self.identity, self.inputs_text = identity, inputs_text  # schedule_check.graph_identity; what the inputs are
-        self.schedule_identity = 0  # schedule_check.fingerprint of the compiled graphs
         self.graph_id = next(_graph_ids)
         self.topology = Topology.resolve(ctx.world, cfg.ranks_per_node, cfg.source)
         for zp in params.values():
@@ -109,7 +108,6 @@ class _GraphCompile:
         self.schedule: tuple[int, str] = (0, "")  # schedule_check.fingerprint of the compiled graphs
         # kind -> (final graph, its pass context, subgroup names -> process group names), as committed
         self.committed: dict[str, tuple[fx.GraphModule, PassContext, dict[str, str]]] = {}
-        self.outer_cache_tag = ""  # the user's torch.compiler.config.cache_key_tag (graph_cache)
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -283,9 +281,12 @@ class _GraphCompile:
 
     def agree(self, graphs: dict[str, fx.GraphModule]) -> None:
         """The ranks compare the collective schedules of the graphs just compiled before running them."""
-        self.schedule = schedule_check.fingerprint(graphs)
-        self.schedule_identity = self.schedule[0]
-        schedule_check.announce(self.ctx, self.graph_id, *self.schedule, self.cfg.collective_timeout_s)
+        self.announce(schedule_check.fingerprint(graphs))
+
+    def announce(self, schedule: tuple[int, str]) -> None:
+        """agree's exchange, for a schedule fingerprinted before (a graph loaded from the compile cache too)."""
+        self.schedule = schedule
+        schedule_check.announce(self.ctx, self.graph_id, *schedule, self.cfg.collective_timeout_s)
 
     def run_check(self, kind: str):
         """Before each run of this graph's `kind`: the ranks confirm they run the same graph (schedule_check), and
@@ -293,7 +294,7 @@ class _GraphCompile:
         if not self.cfg.schedule_check or self.ctx.world == 1:
             return None
         mine = [schedule_check.record(schedule_check.RUN,
-                                      schedule_check.digest(self.identity, self.schedule_identity, kind, refresh),
+                                      schedule_check.digest(self.identity, self.schedule[0], kind, refresh),
                                       f"the {kind} of graph {self.graph_id} ({self.inputs_text})"
                                       + (", refreshing whole parameters after a step" if refresh else ""))
                 for refresh in (False, True)]
@@ -340,7 +341,7 @@ class _GraphCompile:
                 params={i: (zp.persist_decided, zp.persistent, zp.optim_tier, zp.secondary_numel,
                             getattr(zp, "secondary_dtype", None)) for i, zp in self.params.items()},
                 notes=list(self.notes), num_fwd_outputs=self.num_fwd_outputs, offloaded=dict(self.offloaded),
-                schedule=self.schedule, schedule_checked=self.cfg.schedule_check)
+                schedule=self.schedule)
         return gm, made, record
 
     def load_cached(self, kind: str, record: dict, loads) -> Callable:
@@ -356,10 +357,8 @@ class _GraphCompile:
             self.notes = list(record["notes"])
             self.num_fwd_outputs = record["num_fwd_outputs"]
             self.offloaded.update(record["offloaded"])
-            if record["schedule_checked"]:
-                self.schedule = record["schedule"]
-                self.schedule_identity = self.schedule[0]
-                schedule_check.announce(self.ctx, self.graph_id, *self.schedule, self.cfg.collective_timeout_s)
+            if self.cfg.schedule_check:  # part of the cache key: as when this graph was stored
+                self.announce(record["schedule"])
         pctx = self.pctx(kind)
         pctx.side_inputs = [SideInput(self.params[i], side_kind) for i, side_kind in record["side_inputs"]]
         pctx.subgroups = list(record["subgroups"])

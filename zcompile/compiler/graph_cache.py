@@ -28,7 +28,8 @@ import torch.fx as fx
 
 from zcompile.compiler import collectives
 
-_current = threading.local()  # the _GraphCompile whose aot_autograd call is running (post_compile reads it)
+# the _GraphCompile whose aot_autograd call is running (post_compile reads it) and the user's own cache_key_tag
+_current = threading.local()
 
 
 def usable(job) -> bool:
@@ -78,23 +79,21 @@ def key_tag(job) -> str:
 @contextlib.contextmanager
 def keyed(job):
     """The aot_autograd call of `job` saves to and loads from the cache under `key_tag(job)`."""
-    outer = torch.compiler.config.cache_key_tag
-    _current.job = job
+    _current.job, _current.outer_tag = job, torch.compiler.config.cache_key_tag
     try:
         with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \
-                torch.compiler.config.patch(cache_key_tag=f"{outer}|{key_tag(job)}"):
-            job.outer_cache_tag = outer
+                torch.compiler.config.patch(cache_key_tag=f"{_current.outer_tag}|{key_tag(job)}"):
             yield
     finally:
         _current.job = None
 
 
 @contextlib.contextmanager
-def _inner(job):
+def _inner():
     """Inside zcompile's compilers: the region compiles use inductor's FX graph cache (which the bundled mode turns
     off) under the user's own cache tag."""
     with torch._functorch.config.patch(bundled_autograd_cache=False), \
-            torch.compiler.config.patch(cache_key_tag=job.outer_cache_tag):
+            torch.compiler.config.patch(cache_key_tag=_current.outer_tag):
         yield
 
 
@@ -102,7 +101,7 @@ def compiler(job, kind: str, compile_fn):
     """AOTAutograd's compiler for `kind`: compile_fn(job, kind, gm, example_inputs) -> the graph's function, returned
     as a ZeroGraphCode the cache can store."""
     def compile_code(gm: fx.GraphModule, example_inputs):
-        with _inner(job):
+        with _inner():
             run = compile_fn(job, kind, gm, example_inputs)
         return ZeroGraphCode(job, kind, run)
     return SerializableAOTDispatchCompiler(ZeroGraphCode, compile_code)
@@ -143,7 +142,7 @@ class ZeroGraphCode(OutputCode):
             raise RuntimeError("a zcompile graph loaded from AOTAutograd's cache outside zcompile's backend")
         from torch._guards import detect_fake_mode
         fake_mode = detect_fake_mode(example_inputs)
-        with _inner(job):
+        with _inner():
             self._run = job.load_cached(self.kind, self.record, lambda data: _loads(data, fake_mode))
         self.record = None  # the pickled graph is not kept for the life of the process
 
