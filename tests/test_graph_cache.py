@@ -60,6 +60,35 @@ def test_a_second_launch_loads_the_graphs_and_trains_bit_identically(tmp_path):
         assert out[1]["aot"].get("autograd_cache_saved", 0) == 0
 
 
+def test_an_entry_that_does_not_load_is_compiled_again_or_stops_every_rank(tmp_path):
+    """A damaged entry on one rank: read before the job communicated (AOTAutograd's file, or zcompile's forward
+    record), the rank compiles the graph instead and meets the others, which loaded theirs, at the same schedule
+    check (same losses); read after its forward was loaded and announced (the backward's record), it cannot compile
+    any more without the others: it raises, naming the cache, and the others raise PeerFailed with its reason at
+    their next check, not after collective_timeout_s."""
+    import glob
+    import os
+    case = [("gpt", {"stage": 3, "backend": "eager", "collective_timeout_s": 600})]
+    dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    first = run_world(2, workers.cached_launch, case, STEPS, dirs, timeout=900)
+    for path in glob.glob(os.path.join(dirs[1], "aotautograd", "**"), recursive=True):
+        if os.path.isfile(path):
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+    for fail_at in (None, 1):  # AOTAutograd's file truncated; then zcompile's forward record unreadable
+        out = run_world(2, workers.cached_launch_failing, case, STEPS, dirs, fail_at, timeout=900)
+        assert [o[0] for o in out] == ["ok", "ok"], out
+        hits = [o[1][0]["aot"].get("autograd_cache_hit", 0) for o in out]
+        assert hits == [2, 1 if fail_at else 0], [o[1][0]["aot"] for o in out]  # rank 1: the inference graph's
+        for rank in range(2):
+            assert out[rank][1][0]["losses"] == first[rank][0]["losses"]
+        assert (len(out[1][2]) == 1 and "did not load from the compile cache" in out[1][2][0]) == bool(fail_at), out
+    (s0, t0, m0), (s1, t1, m1) = run_world(2, workers.cached_launch_failing, case, STEPS, dirs, 2, timeout=900)
+    assert (s0, t0, s1, t1) == ("raised", "PeerFailed", "raised", "ZCompileError"), (m0, m1)
+    assert "rank 1 failed: graph" in m0 and "backward did not load from the compile cache (EOFError" in m0, m0
+    assert "backward did not load from the compile cache" in m1 and dirs[1] in m1, m1
+
+
 def test_a_stored_graph_loads_with_its_fake_values_and_their_storage_sharing():
     """Each node's fake value comes back with its layout, dtype, storage size and the storages it shares with
     other nodes' (views, split outputs, in-place results, a view as another dtype, resize_, t_): what liveness

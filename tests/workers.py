@@ -573,6 +573,30 @@ def traces_before_sharding(rank: int, world: int) -> dict:
     return out
 
 
+def cached_launch_failing(rank: int, world: int, cases: list, steps: int, cache_dirs: list, fail_at: int | None):
+    """cached_launch, where rank 1's `fail_at`-th graph read from the cache raises (a damaged entry: 1 the forward,
+    2 the backward). ("ok", cached_launch's result, zcompile's warnings) or ("raised", type name, message)."""
+    import warnings
+
+    from zcompile.compiler import graph_cache
+    if rank == 1 and fail_at is not None:
+        original, reads = graph_cache._loads, []
+
+        def damaged(data, fake_mode):
+            reads.append(data)
+            if len(reads) == fail_at:
+                raise EOFError("Ran out of input")
+            return original(data, fake_mode)
+        graph_cache._loads = damaged
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = cached_launch(rank, world, cases, steps, cache_dirs)
+        return "ok", out, [str(w.message) for w in caught if str(w.message).startswith("zcompile")]
+    except zcompile.ZeroError as e:
+        return "raised", type(e).__name__, str(e)
+
+
 def cached_launch(rank: int, world: int, cases: list, steps: int, cache_dirs: list) -> list:
     """One launch of a job over `cases` ((model name, config) each, in order), with this rank's inductor and
     AOTAutograd cache in cache_dirs[rank]: per case the losses, the trained parameters, an evaluation forward under

@@ -15,8 +15,8 @@ from zcompile.compiler.backend import planned_step_peak, zero_backend
 from zcompile.runtime.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.runtime.collective_traffic import reset_traffic, traffic
 from zcompile.config import Config
-from zcompile.errors import (CheckpointError, ConfigError, MemoryBudgetError, NonFiniteGradients, PeerTimeout,
-                             ScheduleMismatch, ZCompileError, ZeroError)
+from zcompile.errors import (CheckpointError, ConfigError, MemoryBudgetError, NonFiniteGradients, PeerFailed,
+                             PeerTimeout, ScheduleMismatch, ZCompileError, ZeroError)
 from zcompile.runtime.cpu_adam import CPUAdam
 from zcompile.runtime.nvme_files import OffloadFileError
 from zcompile.runtime.offload_engine import offload_traffic, reset_offload_traffic
@@ -29,7 +29,7 @@ from zcompile.tools.report import memory_report
 __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
            "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
-           "reset_offload_traffic", "planned_step_peak", "step_tensor_peak", "ZeroError", "PeerTimeout",
+           "reset_offload_traffic", "planned_step_peak", "step_tensor_peak", "ZeroError", "PeerTimeout", "PeerFailed",
            "CheckpointError", "NonFiniteGradients", "shard_parameters"]
 __version__ = "0.1.0"
 

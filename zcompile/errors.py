@@ -35,6 +35,12 @@ class PeerTimeout(ZeroError):
     """A peer did not reach the same point within `collective_timeout_s` (stopped, hung or running other code)."""
 
 
+class PeerFailed(ZeroError):
+    """Another rank stopped with an error at a point where this one would wait for it; the message gives its reason.
+    Raised at this rank's next schedule check (each compile and each graph run has one) instead of after
+    `collective_timeout_s`."""
+
+
 class MemoryBudgetError(ZeroError):
     """The planned step does not fit `memory_budget` (the message gives the breakdown and what would help)."""
 

@@ -344,10 +344,10 @@ class _GraphCompile:
                 schedule=self.schedule)
         return gm, made, record
 
-    def load_cached(self, kind: str, record: dict, loads) -> Callable:
-        """graph_cache hit: the graph `kind` and the decisions compiling it made, restored into this job, then
-        committed as a compiled graph would be."""
-        gm = _lazy(loads(record["graph"]))  # unpickled without its code: generated if run (eager, a whole graph)
+    def load_cached(self, kind: str, record: dict, gm: fx.GraphModule) -> Callable:
+        """graph_cache hit: the graph `kind` (`gm`, as unpickled) and the decisions compiling it made, restored into
+        this job, then committed as a compiled graph would be."""
+        gm = _lazy(gm)  # unpickled without its code: generated if run (eager, a whole graph)
         if kind != "backward":
             for i, (decided, persistent, tier, secondary, secondary_dtype) in record["params"].items():
                 zp = self.params[i]
@@ -556,15 +556,21 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
 
     def compiler(kind: str):
         return graph_cache.compiler(job, kind, _boxed) if cached else functools.partial(_boxed, job, kind)
-    with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext(), \
-            graph_cache.keyed(job) if cached else contextlib.nullcontext():
-        compiled = aot_autograd(
-            fw_compiler=compiler("forward"),
-            bw_compiler=compiler("backward"),
-            inference_compiler=compiler("inference"),
-            partition_fn=job.partition,
-            decompositions=select_decomp_table(),
-        )(gm, example_inputs)
+    try:
+        with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext(), \
+                graph_cache.keyed(job) if cached else contextlib.nullcontext():
+            compiled = aot_autograd(
+                fw_compiler=compiler("forward"),
+                bw_compiler=compiler("backward"),
+                inference_compiler=compiler("inference"),
+                partition_fn=job.partition,
+                decompositions=select_decomp_table(),
+            )(gm, example_inputs)
+    except graph_cache.LoadFailed as failed:
+        error = failed.raised()
+        if error is failed.error:
+            raise error from None
+        raise error from failed.error
     if job.regions_kept:
         trace_blocks_once.forget_reuse()
 

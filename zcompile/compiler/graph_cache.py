@@ -22,6 +22,7 @@ import hashlib
 import io
 import os
 import threading
+import warnings
 
 import torch
 import torch.fx as fx
@@ -141,13 +142,64 @@ class ZeroGraphCode(OutputCode):
         if job is None:
             raise RuntimeError("a zcompile graph loaded from AOTAutograd's cache outside zcompile's backend")
         from torch._guards import detect_fake_mode
-        fake_mode = detect_fake_mode(example_inputs)
-        with _inner():
-            self._run = job.load_cached(self.kind, self.record, lambda data: _loads(data, fake_mode))
-        self.record = None  # the pickled graph is not kept for the life of the process
+        record, self.record = self.record, None  # the pickled graph is not kept for the life of the process
+        try:  # reading the entry: nothing of the job changes yet
+            gm = _loads(record["graph"], detect_fake_mode(example_inputs))
+            missing = _RECORD_KEYS[self.kind != "backward"] - set(record)
+            if missing:
+                raise KeyError(f"the entry has no {sorted(missing)}")
+        except Exception as e:
+            if job.committed:  # this entry's forward is loaded: its schedule announced, its graph committed
+                raise LoadFailed(job, self.kind, e) from e
+            warnings.warn(f"zcompile: rank {job.ctx.rank}: graph {job.graph_id}'s {self.kind} did not load from the "
+                          f"compile cache ({type(e).__name__}: {e}); compiling it instead. The entry stays in "
+                          f"{_cache_dir()} (delete that directory, or set compile_cache: false, to stop this)",
+                          RuntimeWarning, stacklevel=2)
+            raise  # AOTAutograd bypasses its cache on any error here and compiles: no rank has seen this load
+        try:
+            with _inner():
+                self._run = job.load_cached(self.kind, record, gm)
+        except BaseException as e:
+            raise LoadFailed(job, self.kind, e) from e
 
     def set_triton_bundle(self, triton_bundle) -> None:
         pass
+
+
+_RECORD_KEYS = {False: frozenset({"graph", "side_inputs", "subgroups", "own_placeholders"})}
+_RECORD_KEYS[True] = _RECORD_KEYS[False] | {"params", "notes", "num_fwd_outputs", "offloaded", "schedule"}
+
+
+class LoadFailed(BaseException):
+    """A graph failed to load after the job communicated (its forward announced its schedule, or committing began).
+    AOTAutograd would take any Exception for a cache bypass and compile again: the other ranks would then meet this
+    one at a second schedule exchange they never make. A BaseException passes through to zcompile's backend, which
+    raises `error` on every rank (`raised`)."""
+
+    def __init__(self, job, kind: str, error: BaseException):
+        super().__init__(kind, error)
+        self.job, self.kind, self.error = job, kind, error
+
+    def raised(self) -> BaseException:
+        """The error to raise on this rank. One of zcompile's every-rank errors (a schedule exchange failed) is
+        raised as it is; any other reaches the peers first (schedule_check.fail), which raise PeerFailed."""
+        from zcompile.errors import PeerFailed, PeerTimeout, ScheduleMismatch, ZCompileError
+        from zcompile.compiler import schedule_check
+        e, job = self.error, self.job
+        if isinstance(e, (ScheduleMismatch, PeerTimeout, PeerFailed)) or not isinstance(e, Exception):
+            return e
+        what = f"graph {job.graph_id}'s {self.kind} did not load from the compile cache ({type(e).__name__}: {e})"
+        if job.cfg.schedule_check:
+            schedule_check.fail(job.ctx, what, job.cfg.collective_timeout_s)
+        return ZCompileError(
+            f"rank {job.ctx.rank}: {what}, after this job had loaded and committed its forward: it cannot compile "
+            f"instead as the other ranks did not. Delete the damaged entry's directory {_cache_dir()} (or set "
+            "compile_cache: false) and launch again")
+
+
+def _cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,9 @@ an all-gather at three points:
 - after compiling, the collective schedule of the result (every collective's op, dtype, elements, bytes, group and
   the parameters or bucket members it moves, as the passes described them);
 - before every run of a compiled graph (identity: the compile identity, the collective schedule and which part of
-  the graph runs).
+  the graph runs);
+- where a rank stops with an error while its peers go on to one of the points above (`fail`): they raise PeerFailed
+  with its reason there instead of waiting for it.
 The record's size never depends on what a rank does, so ranks that diverge (one recompiles for a new shape, takes
 another branch, runs an eval forward alone, read another config) meet in the same exchange and all raise
 ScheduleMismatch naming what each rank was doing, instead of exchanging mismatched buffers (gloo aborts the process)
@@ -28,12 +30,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile.compiler import collectives
 from zcompile.runtime.dist_context import DistContext, all_gather_flat, host_group
-from zcompile.errors import PeerTimeout, ScheduleMismatch
+from zcompile.errors import PeerFailed, PeerTimeout, ScheduleMismatch
 
 RECORD_BYTES = 256
 _TEXT = RECORD_BYTES - 16
-COMPILE, SCHEDULE, RUN = 1, 2, 3
-_PHASES = {COMPILE: "compiling", SCHEDULE: "compiled", RUN: "running"}
+COMPILE, SCHEDULE, RUN, FAILED = 1, 2, 3, 4
+_PHASES = {COMPILE: "compiling", SCHEDULE: "compiled", RUN: "running", FAILED: "failed:"}
 
 
 def digest(*parts) -> int:
@@ -101,6 +103,12 @@ def exchange(ctx: DistContext, mine: torch.Tensor, timeout_s: float) -> None:
         if bool((everyone[:, :16] == mine[:16]).all()):
             return
         rows = [_decode(r) for r in everyone]
+    if rows[ctx.rank][0] == FAILED:  # `fail`: this rank raises its own error
+        return
+    failed = [(r, text) for r, (p, _, text) in enumerate(rows) if p == FAILED]
+    if failed:
+        raise PeerFailed(f"rank {ctx.rank}: " + "; ".join(f"rank {r} failed: {text}" for r, text in failed)
+                         + f". This rank stops too (it was {_PHASES[rows[ctx.rank][0]]} {rows[ctx.rank][2]}).")
     lines = "\n".join(f"  rank {r}: {_PHASES.get(p, '?')} {text} [{h:015x}]" for r, (p, h, text) in enumerate(rows))
     raise ScheduleMismatch(
         f"rank {ctx.rank}: ranks are about to run different graphs or collective schedules; running them would "
@@ -114,3 +122,13 @@ def exchange(ctx: DistContext, mine: torch.Tensor, timeout_s: float) -> None:
 def announce(ctx: DistContext, graph_id: int, identity: int, summary: str, timeout_s: float) -> None:
     """After compiling: ranks compare their collective schedules (`fingerprint`) before running them."""
     exchange(ctx, record(SCHEDULE, identity, f"graph {graph_id} ({summary})"), timeout_s)
+
+
+def fail(ctx: DistContext, reason: str, timeout_s: float) -> None:
+    """This rank stops with `reason`: its record meets the peers' next exchange (each compile and each graph run has
+    one), where they raise PeerFailed with the reason instead of waiting for this rank until `collective_timeout_s`.
+    Peers that never get to an exchange leave this rank waiting that long at most; it then raises its own error."""
+    try:
+        exchange(ctx, record(FAILED, 0, reason), timeout_s)
+    except PeerTimeout:
+        pass
