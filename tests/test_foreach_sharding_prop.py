@@ -1,5 +1,6 @@
 """runtime/foreach_sharding_prop.py: torch's per-tensor scan of a foreach op's arguments for `_StridedShard`
-placements runs once per op schema, and the original still runs wherever one is present."""
+placements runs once per op schema, and the original still runs wherever one is present; a foreach op's strategy is
+expanded once per distinct tensor, with torch's result."""
 import types
 
 import pytest
@@ -41,15 +42,17 @@ def test_the_scan_runs_once_per_op_and_the_original_only_where_a_strided_shard_i
 
 
 def _adamw_steps(rank: int, world: int, wrapped: bool) -> dict:
-    """Two foreach AdamW steps over a sharded model's DTensor parameters, with the scan wrapped or torch's own."""
+    """Two foreach AdamW steps over a sharded model's DTensor parameters, with the scan and the expansion wrapped or
+    torch's own."""
     import zcompile
     from tests import workers
     model = workers.build_model("gpt3")
     zcompile.shard_parameters(model, {"stage": 3, "backend": "eager"})
-    installed = _sharding_prop._propagate_use_strided_shard_flag
-    assert hasattr(installed, "__wrapped__"), "sharding the model installs the wrapper"
-    if not wrapped:
-        _sharding_prop._propagate_use_strided_shard_flag = installed.__wrapped__
+    for name in ("_propagate_use_strided_shard_flag", "_expand_single_dim_strategy_to_mesh"):
+        installed = getattr(_sharding_prop, name)
+        assert hasattr(installed, "__wrapped__"), "sharding the model installs the wrappers"
+        if not wrapped:
+            setattr(_sharding_prop, name, installed.__wrapped__)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-2, foreach=True)
     torch.manual_seed(rank)
@@ -63,7 +66,7 @@ def _adamw_steps(rank: int, world: int, wrapped: bool) -> dict:
 
 @pytest.mark.skipif(not hasattr(_sharding_prop, "_propagate_use_strided_shard_flag"),
                     reason="this torch has no such scan (2.11)")
-def test_an_optimizer_step_over_sharded_parameters_is_the_same_with_the_scan_wrapped():
+def test_an_optimizer_step_over_sharded_parameters_is_the_same_with_the_scan_and_expansion_wrapped():
     for ours, theirs in zip(run_world(2, _adamw_steps, True), run_world(2, _adamw_steps, False)):
         assert ours.keys() == theirs.keys()
         for name in ours:
@@ -101,3 +104,78 @@ def test_a_foreach_op_over_a_strided_shard_is_the_same_with_the_scan_wrapped():
         for (placements, order, value), (placements_, order_, value_) in zip(ours, theirs):
             assert (placements, order) == (placements_, order_)
             assert torch.equal(value, value_)
+
+
+def _mixed_foreach(rank: int, world: int) -> list:
+    """Foreach ops (list, scalar, scalar-list, out-of-place, reduction) over DTensors of repeated and distinct
+    layouts (Shard(0) and Replicate of one shape, other shapes, bf16, a `_StridedShard`), with the expansion
+    wrapped and with torch's own: each op's sharding decision and each result's placements and values, and how
+    many tensors the wrapped expansion expanded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    foreach_sharding_prop.install()
+    from torch.distributed.tensor import DTensor
+    installed = _sharding_prop._expand_single_dim_strategy_to_mesh
+    prop = DTensor._op_dispatcher.sharding_propagator
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    layouts = [((8, 4), [Shard(0)], torch.float32), ((8, 4), [Replicate()], torch.float32)] * 3 + [
+        ((6,), [Shard(0)], torch.float32), ((8, 4), [Shard(0)], torch.bfloat16),
+        ((8, 4), [_StridedShard(0, split_factor=2)], torch.float32), ((4, 8), [Shard(0)], torch.float32)]
+    base = [distribute_tensor(torch.randn(shape).to(dtype), mesh, placements) for shape, placements, dtype in layouts]
+    decisions, expanded = [], []
+
+    def recorded(op_schema):  # each op's sharding decision (on a miss of torch's caches, cleared for each pass)
+        out = type(prop).propagate_op_sharding_non_cached(prop, op_schema)
+        decisions.append((str(op_schema.op), str(out.output_spec), out.needs_redistribute,
+                          str(out.redistribute_schema)))
+        return out
+
+    def counted(mesh_, op_schema, info, metas):  # torch's, counting the tensors each foreach expansion expands
+        expand = installed.__wrapped__(mesh_, op_schema, info, metas)
+
+        def expanded_foreach_strategy(op, args_schema, kwargs_schema):
+            out = expand(op, args_schema, kwargs_schema)
+            expanded.append(len(out.children))
+            return out
+        return expanded_foreach_strategy if expand.__name__ == "expanded_foreach_strategy" else expand
+
+    results = []
+    prop.propagate_op_sharding_non_cached = recorded
+    try:
+        for ours in (True, False):
+            prop.propagate_op_sharding.cache_clear()
+            torch._C._clear_DTensor_sharding_propagator_cache()
+            _sharding_prop._expand_single_dim_strategy_to_mesh = (
+                foreach_sharding_prop._deduplicated(counted) if ours else counted)
+            xs = [x.clone() for x in base]
+            ys = [x.clone() * 0.5 for x in base]
+            torch._foreach_add_(xs, ys, alpha=0.25)
+            torch._foreach_mul_(xs, 1.5)
+            torch._foreach_addcdiv_(xs, ys, [y.abs() + 1 for y in ys], [0.1 * k for k in range(len(xs))])
+            zs = torch._foreach_sqrt([x.abs() for x in xs])
+            torch._foreach_lerp_(xs, zs, 0.3)
+            norms = torch._foreach_norm(xs)
+            results.append({"decisions": list(decisions), "expanded": list(expanded),
+                            "values": [(str(t.placements), str(t.dtype), t.full_tensor()) for t in [*xs, *zs, *norms]]})
+            decisions.clear()
+            expanded.clear()
+    finally:
+        del prop.propagate_op_sharding_non_cached
+        _sharding_prop._expand_single_dim_strategy_to_mesh = installed
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    return results
+
+
+@pytest.mark.skipif(not hasattr(_sharding_prop, "_expand_single_dim_strategy_to_mesh"),
+                    reason="this torch expands no single-dim strategies (2.11)")
+def test_a_foreach_op_expands_each_distinct_tensor_once_with_torchs_result():
+    for ours, theirs in run_world(2, _mixed_foreach):
+        assert ours["decisions"] == theirs["decisions"] and len(ours["decisions"]) >= 5
+        for (placements, dtype, value), (placements_, dtype_, value_) in zip(ours["values"], theirs["values"]):
+            assert (placements, dtype) == (placements_, dtype_)
+            assert torch.equal(value, value_)
+        # 10 tensors, 6 of them two layouts repeated: each foreach op expands 6 where torch's expands 10
+        assert theirs["expanded"] == [10] * len(theirs["expanded"]) and ours["expanded"] == [6] * len(theirs["expanded"])
+        assert len(ours["expanded"]) >= 5, ours["expanded"]
