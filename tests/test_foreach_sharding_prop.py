@@ -124,13 +124,22 @@ def _mixed_foreach(rank: int, world: int) -> list:
         ((6,), [Shard(0)], torch.float32), ((8, 4), [Shard(0)], torch.bfloat16),
         ((8, 4), [_StridedShard(0, split_factor=2)], torch.float32), ((4, 8), [Shard(0)], torch.float32)]
     base = [distribute_tensor(torch.randn(shape).to(dtype), mesh, placements) for shape, placements, dtype in layouts]
-    decisions, expanded = [], []
+    decisions, expanded, faked = [], [], []
+    ints = [distribute_tensor(torch.arange(32).view(8, 4) * k, mesh, [Shard(0)]) for k in range(4)]
 
     def recorded(op_schema):  # each op's sharding decision (on a miss of torch's caches, cleared for each pass)
         out = type(prop).propagate_op_sharding_non_cached(prop, op_schema)
-        decisions.append((str(op_schema.op), str(out.output_spec), out.needs_redistribute,
-                          str(out.redistribute_schema)))
+        specs = out.output_spec if isinstance(out.output_spec, (list, tuple)) else [out.output_spec]
+        decisions.append((str(op_schema.op), str(out.output_spec), [getattr(s, "tensor_meta", None) for s in specs],
+                          out.needs_redistribute, str(out.redistribute_schema)))
         return out
+
+    meta_prop = type(prop)._propagate_tensor_meta_non_cached
+
+    def counted_metas(self, op_schema):  # torch's, counting the tensors each foreach op's layouts are computed for
+        if op_schema.op.name().startswith("aten::_foreach_"):
+            faked.append(len(next(a for a in op_schema.args_schema if isinstance(a, (list, tuple)))))
+        return meta_prop.__wrapped__(self, op_schema)
 
     def counted(mesh_, op_schema, info, metas):  # torch's, counting the tensors each foreach expansion expands
         expand = installed.__wrapped__(mesh_, op_schema, info, metas)
@@ -149,6 +158,8 @@ def _mixed_foreach(rank: int, world: int) -> list:
             torch._C._clear_DTensor_sharding_propagator_cache()
             _sharding_prop._expand_single_dim_strategy_to_mesh = (
                 foreach_sharding_prop._deduplicated(counted) if ours else counted)
+            type(prop)._propagate_tensor_meta_non_cached = (
+                foreach_sharding_prop._metas_deduplicated(counted_metas) if ours else counted_metas)
             xs = [x.clone() for x in base]
             ys = [x.clone() * 0.5 for x in base]
             torch._foreach_add_(xs, ys, alpha=0.25)
@@ -157,13 +168,17 @@ def _mixed_foreach(rank: int, world: int) -> list:
             zs = torch._foreach_sqrt([x.abs() for x in xs])
             torch._foreach_lerp_(xs, zs, 0.3)
             norms = torch._foreach_norm(xs)
-            results.append({"decisions": list(decisions), "expanded": list(expanded),
-                            "values": [(str(t.placements), str(t.dtype), t.full_tensor()) for t in [*xs, *zs, *norms]]})
+            promoted = torch._foreach_add(ints, [1, 2.5, 3, 4.5])  # int64 + int stays int64, + float is float32
+            results.append({"decisions": list(decisions), "expanded": list(expanded), "faked": list(faked),
+                            "values": [(str(t.placements), str(t.dtype), t.full_tensor())
+                                       for t in [*xs, *zs, *norms, *promoted]]})
             decisions.clear()
             expanded.clear()
+            faked.clear()
     finally:
         del prop.propagate_op_sharding_non_cached
         _sharding_prop._expand_single_dim_strategy_to_mesh = installed
+        type(prop)._propagate_tensor_meta_non_cached = meta_prop
         torch._C._clear_DTensor_sharding_propagator_cache()
     return results
 
@@ -176,6 +191,10 @@ def test_a_foreach_op_expands_each_distinct_tensor_once_with_torchs_result():
         for (placements, dtype, value), (placements_, dtype_, value_) in zip(ours["values"], theirs["values"]):
             assert (placements, dtype) == (placements_, dtype_)
             assert torch.equal(value, value_)
-        # 10 tensors, 6 of them two layouts repeated: each foreach op expands 6 where torch's expands 10
-        assert theirs["expanded"] == [10] * len(theirs["expanded"]) and ours["expanded"] == [6] * len(theirs["expanded"])
-        assert len(ours["expanded"]) >= 5, ours["expanded"]
+        # 10 float tensors of 6 strategies (two repeated 3 times), 4 ints of 2 output dtypes: each foreach op
+        # expands 6 (the ints' op 2) where torch's expands 10 (4)
+        assert theirs["expanded"] == [10] * 5 + [4] and ours["expanded"] == [6] * 5 + [2], \
+            (ours["expanded"], theirs["expanded"])
+        # output layouts, from the global layouts only: 4 kinds of the floats (Shard(0), Replicate and the strided
+        # shard of 8x4 float32 are one), 2 of the ints (the scalar's type)
+        assert ours["faked"] == [4] * 6 + [2] and theirs["faked"] == [10] * 6 + [4], (ours["faked"], theirs["faked"])

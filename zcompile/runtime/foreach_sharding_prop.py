@@ -9,12 +9,14 @@ is cached per op schema). FSDP2's parameters pay the same. `install` wraps the f
 per op schema (the last one seen is remembered) and the original runs only where an argument has a
 `_StridedShard` placement: where none has one, the original also returns without changing anything.
 
-The same first step then builds each tensor's strategy on its own (`expanded_foreach_strategy`: a per-tensor op
-schema and a mesh expansion, ~0.7 ms each; 1.9 s for the 32-layer model's 21 foreach ops over 356 parameters,
-counted in its compile time, 2.6-2.9 s for FSDP2's), although the result depends only on that tensor's strategies
-and output layout, which repeat for every block. `install` also wraps `_expand_single_dim_strategy_to_mesh` so that
-a foreach op expands one tensor of each distinct (input strategies, output layout) and hands every tensor its
-group's strategy (`_deduplicated`).
+The same first step then, per foreach op, runs the op on fake tensors of every tensor's global layout for the
+output layouts (`_propagate_tensor_meta_non_cached`) and builds each tensor's strategy on its own
+(`expanded_foreach_strategy`: a per-tensor op schema and a mesh expansion, ~0.7 ms each): 1.9 s for the 32-layer
+model's foreach ops over 356 parameters, counted in its compile time (FSDP2's parameters pay 2.6-2.9 s), although
+each tensor's result depends only on its own layouts and strategies, which repeat for every block. `install` also
+wraps both so that a foreach op computes one tensor of each distinct kind and hands every tensor its kind's result:
+output layouts by (each list argument's layout and scalar type at that tensor), strategies by (its strategies in
+each list argument, its output layout) (`_metas_deduplicated`, `_deduplicated`).
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ def install() -> None:
         expand = getattr(_sharding_prop, "_expand_single_dim_strategy_to_mesh", None)
         if expand is not None:
             _sharding_prop._expand_single_dim_strategy_to_mesh = _deduplicated(expand)
+        propagator = _sharding_prop.ShardingPropagator
+        metas = getattr(propagator, "_propagate_tensor_meta_non_cached", None)
+        if metas is not None:
+            propagator._propagate_tensor_meta_non_cached = _metas_deduplicated(metas)
 
 
 def _scanned_once(original, strided_shard: type):
@@ -111,3 +117,63 @@ def _groups(op_schema, output_tensor_meta, tuple_strategy: type):
     except (TypeError, AttributeError):  # unhashable (symbolic sizes) or not OpStrategy children
         return None
     return (firsts, group_of) if len(firsts) < n else None
+
+
+def _metas_deduplicated(original):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    def propagate_tensor_meta_non_cached(self, op_schema):
+        groups = _meta_groups(op_schema, DTensorSpec) if op_schema.op.name().startswith("aten::_foreach_") else None
+        if groups is None:
+            return original(self, op_schema)
+        firsts, group_of, n = groups
+        small = OpSchema(op_schema.op, tuple(type(a)(a[i] for i in firsts) if _is_list(a, n) else a
+                                             for a in op_schema.args_schema), op_schema.kwargs_schema)
+        out = original(self, small)
+        if out is None:  # an in-place op
+            return None
+        if not isinstance(out, (list, tuple)) or len(out) != len(firsts):
+            return original(self, op_schema)
+        return type(out)(out[g] for g in group_of)
+
+    propagate_tensor_meta_non_cached.__wrapped__ = original
+    return propagate_tensor_meta_non_cached
+
+
+def _is_list(arg, n: int) -> bool:
+    return isinstance(arg, (list, tuple)) and len(arg) == n
+
+
+def _meta_groups(op_schema, spec_type: type):
+    """(the first tensor of each kind, each tensor's kind, how many) of a foreach op's tensors by what their output
+    layouts depend on: at their index, each list argument's global layout (a DTensor) or type (a scalar). None
+    where nothing repeats or the op's form is not one this knows."""
+    lists = [a for a in op_schema.args_schema if isinstance(a, (list, tuple)) and a]
+    if not lists or not any(isinstance(x, spec_type) for x in lists[0]):
+        return None
+    n = len(lists[0])
+    if any(len(a) != n for a in lists) or any(isinstance(v, (list, tuple)) for v in op_schema.kwargs_schema.values()):
+        return None
+    firsts: list[int] = []
+    index: dict = {}
+    group_of = []
+    try:
+        for i in range(n):
+            key = []
+            for a in lists:
+                x = a[i]
+                if isinstance(x, spec_type):
+                    meta = x.tensor_meta
+                    key.append((tuple(meta.shape), tuple(meta.stride), meta.dtype))
+                elif x is None or isinstance(x, (bool, int, float, complex)):
+                    key.append(type(x))
+                else:  # a plain tensor, a symbolic scalar: left to torch
+                    return None
+            g = index.setdefault(tuple(key), len(firsts))
+            if g == len(firsts):
+                firsts.append(i)
+            group_of.append(g)
+    except (TypeError, AttributeError):  # symbolic sizes, a spec without its layout
+        return None
+    return (firsts, group_of, n) if len(firsts) < n else None
