@@ -48,11 +48,15 @@ def _adamw_steps(rank: int, world: int, wrapped: bool) -> dict:
     from tests import workers
     model = workers.build_model("gpt3")
     zcompile.shard_parameters(model, {"stage": 3, "backend": "eager"})
-    for name in ("_propagate_use_strided_shard_flag", "_expand_single_dim_strategy_to_mesh"):
-        installed = getattr(_sharding_prop, name)
+    for owner, name in ((_sharding_prop, "_propagate_use_strided_shard_flag"),
+                        (_sharding_prop, "_expand_single_dim_strategy_to_mesh"),
+                        (_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_non_cached")):
+        installed = getattr(owner, name, None)
+        if installed is None:  # not in this torch
+            continue
         assert hasattr(installed, "__wrapped__"), "sharding the model installs the wrappers"
         if not wrapped:
-            setattr(_sharding_prop, name, installed.__wrapped__)
+            setattr(owner, name, installed.__wrapped__)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-2, foreach=True)
     torch.manual_seed(rank)
@@ -64,8 +68,6 @@ def _adamw_steps(rank: int, world: int, wrapped: bool) -> dict:
     return {n: p.to_local().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.skipif(not hasattr(_sharding_prop, "_propagate_use_strided_shard_flag"),
-                    reason="this torch has no such scan (2.11)")
 def test_an_optimizer_step_over_sharded_parameters_is_the_same_with_the_scan_and_expansion_wrapped():
     for ours, theirs in zip(run_world(2, _adamw_steps, True), run_world(2, _adamw_steps, False)):
         assert ours.keys() == theirs.keys()
@@ -107,10 +109,10 @@ def test_a_foreach_op_over_a_strided_shard_is_the_same_with_the_scan_wrapped():
 
 
 def _mixed_foreach(rank: int, world: int) -> list:
-    """Foreach ops (list, scalar, scalar-list, out-of-place, reduction) over DTensors of repeated and distinct
-    layouts (Shard(0) and Replicate of one shape, other shapes, bf16, a `_StridedShard`), with the expansion
-    wrapped and with torch's own: each op's sharding decision and each result's placements and values, and how
-    many tensors the wrapped expansion expanded."""
+    """Foreach ops (list, scalar, scalar-list, out-of-place, reduction, an int one promoting by the scalar's type)
+    over DTensors of repeated and distinct layouts (Shard(0) and Replicate of one shape, other shapes, bf16, a
+    `_StridedShard`), with the expansion and layouts wrapped and with torch's own: each op's sharding decision and
+    each result's placements and values, and how many tensors each computed for."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -121,8 +123,9 @@ def _mixed_foreach(rank: int, world: int) -> list:
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     layouts = [((8, 4), [Shard(0)], torch.float32), ((8, 4), [Replicate()], torch.float32)] * 3 + [
-        ((6,), [Shard(0)], torch.float32), ((8, 4), [Shard(0)], torch.bfloat16),
-        ((8, 4), [_StridedShard(0, split_factor=2)], torch.float32), ((4, 8), [Shard(0)], torch.float32)]
+        ((6,), [Shard(0)], torch.float32), ((8, 4), [Shard(0)], torch.bfloat16), ((4, 8), [Shard(0)], torch.float32)]
+    if hasattr(_sharding_prop, "_propagate_use_strided_shard_flag"):  # torch 2.11's foreach ops fail on one
+        layouts.append(((8, 4), [_StridedShard(0, split_factor=2)], torch.float32))
     base = [distribute_tensor(torch.randn(shape).to(dtype), mesh, placements) for shape, placements, dtype in layouts]
     decisions, expanded, faked = [], [], []
     ints = [distribute_tensor(torch.arange(32).view(8, 4) * k, mesh, [Shard(0)]) for k in range(4)]
@@ -168,8 +171,12 @@ def _mixed_foreach(rank: int, world: int) -> list:
             zs = torch._foreach_sqrt([x.abs() for x in xs])
             torch._foreach_lerp_(xs, zs, 0.3)
             norms = torch._foreach_norm(xs)
-            promoted = torch._foreach_add(ints, [1, 2.5, 3, 4.5])  # int64 + int stays int64, + float is float32
+            try:  # int64 + int stays int64, + float is float32
+                promoted = torch._foreach_add(ints, [1, 2.5, 3, 4.5])
+            except NotImplementedError:  # torch 2.11 has no DTensor strategy for a scalar list
+                promoted = []
             results.append({"decisions": list(decisions), "expanded": list(expanded), "faked": list(faked),
+                            "floats": len(base), "ints": bool(promoted),
                             "values": [(str(t.placements), str(t.dtype), t.full_tensor())
                                        for t in [*xs, *zs, *norms, *promoted]]})
             decisions.clear()
@@ -184,17 +191,21 @@ def _mixed_foreach(rank: int, world: int) -> list:
 
 
 @pytest.mark.skipif(not hasattr(_sharding_prop, "_expand_single_dim_strategy_to_mesh"),
-                    reason="this torch expands no single-dim strategies (2.11)")
+                    reason="this torch expands no single-dim strategies")
 def test_a_foreach_op_expands_each_distinct_tensor_once_with_torchs_result():
     for ours, theirs in run_world(2, _mixed_foreach):
         assert ours["decisions"] == theirs["decisions"] and len(ours["decisions"]) >= 5
         for (placements, dtype, value), (placements_, dtype_, value_) in zip(ours["values"], theirs["values"]):
             assert (placements, dtype) == (placements_, dtype_)
             assert torch.equal(value, value_)
-        # 10 float tensors of 6 strategies (two repeated 3 times), 4 ints of 2 output dtypes: each foreach op
-        # expands 6 (the ints' op 2) where torch's expands 10 (4)
-        assert theirs["expanded"] == [10] * 5 + [4] and ours["expanded"] == [6] * 5 + [2], \
-            (ours["expanded"], theirs["expanded"])
+        n, ints = ours["floats"], [2] if ours["ints"] else []  # the ints' op runs on torch 2.13
+        # n float tensors of n - 4 strategies (two repeated 3 times), 4 ints of 2 output dtypes: each foreach op
+        # expands n - 4 (the ints' op 2) where torch's expands n (4)
+        if theirs["expanded"] or hasattr(_sharding_prop, "_propagate_use_strided_shard_flag"):  # 2.11 expands none
+            assert ours["expanded"] == [n - 4] * 5 + ints and theirs["expanded"] == [n] * 5 + [4] * len(ints), \
+                (ours["expanded"], theirs["expanded"])
         # output layouts, from the global layouts only: 4 kinds of the floats (Shard(0), Replicate and the strided
         # shard of 8x4 float32 are one), 2 of the ints (the scalar's type)
-        assert ours["faked"] == [4] * 6 + [2] and theirs["faked"] == [10] * 6 + [4], (ours["faked"], theirs["faked"])
+        # (on 2.11 the ints' op computes its layouts, then finds no strategy)
+        assert n in theirs["faked"] and set(theirs["faked"]) <= {n, 4} and len(theirs["faked"]) >= 6, theirs["faked"]
+        assert ours["faked"] == [4 if t == n else 2 for t in theirs["faked"]], (ours["faked"], theirs["faked"])

@@ -27,7 +27,8 @@ _installed = False
 
 
 def install() -> None:
-    """Wrap the scan (once per process); a torch without it (2.11) is left as it is."""
+    """Wrap the scan, the expansion and the layouts (once per process); what a torch lacks (2.11 has no scan) is
+    left as it is."""
     global _installed
     with _lock:
         if _installed:
@@ -36,10 +37,11 @@ def install() -> None:
         try:
             from torch.distributed.tensor import _sharding_prop
             from torch.distributed.tensor.placement_types import _StridedShard
-            original = _sharding_prop._propagate_use_strided_shard_flag
-        except (ImportError, AttributeError):
+        except ImportError:
             return
-        _sharding_prop._propagate_use_strided_shard_flag = _scanned_once(original, _StridedShard)
+        scan = getattr(_sharding_prop, "_propagate_use_strided_shard_flag", None)
+        if scan is not None:
+            _sharding_prop._propagate_use_strided_shard_flag = _scanned_once(scan, _StridedShard)
         expand = getattr(_sharding_prop, "_expand_single_dim_strategy_to_mesh", None)
         if expand is not None:
             _sharding_prop._expand_single_dim_strategy_to_mesh = _deduplicated(expand)
