@@ -65,7 +65,7 @@ def test_an_entry_that_does_not_load_is_compiled_again_or_stops_every_rank(tmp_p
     record), the rank compiles the graph instead and meets the others, which loaded theirs, at the same schedule
     check (same losses); read after its forward was loaded and announced (the backward's record), it cannot compile
     any more without the others: it raises, naming the cache, and the others raise PeerFailed with its reason at
-    their next check, not after collective_timeout_s."""
+    their next check, not after collective_timeout_s. A schedule mismatch met while loading is raised as such."""
     import glob
     import os
     case = [("gpt", {"stage": 3, "backend": "eager", "collective_timeout_s": 600})]
@@ -87,6 +87,12 @@ def test_an_entry_that_does_not_load_is_compiled_again_or_stops_every_rank(tmp_p
     assert (s0, t0, s1, t1) == ("raised", "PeerFailed", "raised", "ZCompileError"), (m0, m1)
     assert "rank 1 failed: graph" in m0 and "backward did not load from the compile cache (EOFError" in m0, m0
     assert "backward did not load from the compile cache" in m1 and dirs[1] in m1, m1
+    # rank 0 loads its entry, rank 1 compiles another schedule (other code): both raise ScheduleMismatch at the
+    # schedule exchange (rank 0 inside its load, where AOTAutograd took errors for a cache bypass and compiled again)
+    fresh = [dirs[0], str(tmp_path / "fresh")]
+    out = run_world(2, workers.cached_launch_failing, case, STEPS, fresh, "schedule", timeout=900)
+    assert [o[:2] for o in out] == [("raised", "ScheduleMismatch")] * 2, out
+    assert "rank 0: compiled graph" in out[0][2] and "rank 1: compiled graph" in out[0][2], out[0][2]
 
 
 def test_a_stored_graph_loads_with_its_fake_values_and_their_storage_sharing():

@@ -573,13 +573,17 @@ def traces_before_sharding(rank: int, world: int) -> dict:
     return out
 
 
-def cached_launch_failing(rank: int, world: int, cases: list, steps: int, cache_dirs: list, fail_at: int | None):
+def cached_launch_failing(rank: int, world: int, cases: list, steps: int, cache_dirs: list, fail_at):
     """cached_launch, where rank 1's `fail_at`-th graph read from the cache raises (a damaged entry: 1 the forward,
-    2 the backward). ("ok", cached_launch's result, zcompile's warnings) or ("raised", type name, message)."""
+    2 the backward), or ("schedule") rank 1's compiles fingerprint another collective schedule (other code).
+    ("ok", cached_launch's result, zcompile's warnings) or ("raised", type name, message)."""
     import warnings
 
-    from zcompile.compiler import graph_cache
-    if rank == 1 and fail_at is not None:
+    from zcompile.compiler import graph_cache, schedule_check
+    if rank == 1 and fail_at == "schedule":
+        fingerprint = schedule_check.fingerprint
+        schedule_check.fingerprint = lambda graphs: (fingerprint(graphs)[0] + 1, fingerprint(graphs)[1])
+    elif rank == 1 and fail_at is not None:
         original, reads = graph_cache._loads, []
 
         def damaged(data, fake_mode):
