@@ -104,21 +104,29 @@ def _groups(op_schema, output_tensor_meta, tuple_strategy: type):
     metas = output_tensor_meta if isinstance(output_tensor_meta, (list, tuple)) else None
     if any(len(a.children) != n for a in lists) or (metas is not None and len(metas) != n):
         return None
+    return _grouped((tuple(tuple((s.output_specs, s.input_specs) for s in a.children[i].strategies) for a in lists),
+                     metas[i] if metas is not None else None) for i in range(n))
+
+
+class _Unkeyed(Exception):
+    """A tensor whose result this cannot key (a plain tensor in a list, a symbolic scalar): left to torch."""
+
+
+def _grouped(keys) -> tuple[list[int], list[int]] | None:
+    """(the first index of each distinct key, each index's group) of `keys`; None where none repeats or one cannot
+    be made or hashed (symbolic sizes, a spec without its layout, `_Unkeyed`)."""
     firsts: list[int] = []
     index: dict = {}
-    group_of = []
+    group_of: list[int] = []
     try:
-        for i in range(n):
-            key = (tuple(tuple((s.output_specs, s.input_specs) for s in a.children[i].strategies) for a in lists),
-                   metas[i] if metas is not None else None)
-            g = index.get(key)
-            if g is None:
-                g = index[key] = len(firsts)
+        for i, key in enumerate(keys):
+            g = index.setdefault(key, len(firsts))
+            if g == len(firsts):
                 firsts.append(i)
             group_of.append(g)
-    except (TypeError, AttributeError):  # unhashable (symbolic sizes) or not OpStrategy children
+    except (TypeError, AttributeError, _Unkeyed):
         return None
-    return (firsts, group_of) if len(firsts) < n else None
+    return (firsts, group_of) if len(firsts) < len(group_of) else None
 
 
 def _metas_deduplicated(original):
@@ -157,25 +165,14 @@ def _meta_groups(op_schema, spec_type: type):
     n = len(lists[0])
     if any(len(a) != n for a in lists) or any(isinstance(v, (list, tuple)) for v in op_schema.kwargs_schema.values()):
         return None
-    firsts: list[int] = []
-    index: dict = {}
-    group_of = []
-    try:
-        for i in range(n):
-            key = []
-            for a in lists:
-                x = a[i]
-                if isinstance(x, spec_type):
-                    meta = x.tensor_meta
-                    key.append((tuple(meta.shape), tuple(meta.stride), meta.dtype))
-                elif x is None or isinstance(x, (bool, int, float, complex)):
-                    key.append(type(x))
-                else:  # a plain tensor, a symbolic scalar: left to torch
-                    return None
-            g = index.setdefault(tuple(key), len(firsts))
-            if g == len(firsts):
-                firsts.append(i)
-            group_of.append(g)
-    except (TypeError, AttributeError):  # symbolic sizes, a spec without its layout
-        return None
-    return (firsts, group_of, n) if len(firsts) < n else None
+    groups = _grouped(tuple(_layout_key(a[i], spec_type) for a in lists) for i in range(n))
+    return None if groups is None else (*groups, n)
+
+
+def _layout_key(x, spec_type: type):
+    if isinstance(x, spec_type):
+        meta = x.tensor_meta
+        return tuple(meta.shape), tuple(meta.stride), meta.dtype
+    if x is None or isinstance(x, (bool, int, float, complex)):
+        return type(x)
+    raise _Unkeyed
