@@ -160,7 +160,7 @@ def _mixed_foreach(rank: int, world: int) -> list:
             prop.propagate_op_sharding.cache_clear()
             torch._C._clear_DTensor_sharding_propagator_cache()
             _sharding_prop._expand_single_dim_strategy_to_mesh = (
-                foreach_sharding_prop._deduplicated(counted) if ours else counted)
+                foreach_sharding_prop._strategies_deduplicated(counted) if ours else counted)
             type(prop)._propagate_tensor_meta_non_cached = (
                 foreach_sharding_prop._metas_deduplicated(counted_metas) if ours else counted_metas)
             xs = [x.clone() for x in base]

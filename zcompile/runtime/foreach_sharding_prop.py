@@ -16,7 +16,7 @@ model's foreach ops over 356 parameters, counted in its compile time (FSDP2's pa
 each tensor's result depends only on its own layouts and strategies, which repeat for every block. `install` also
 wraps both so that a foreach op computes one tensor of each distinct kind and hands every tensor its kind's result:
 output layouts by (each list argument's layout and scalar type at that tensor), strategies by (its strategies in
-each list argument, its output layout) (`_metas_deduplicated`, `_deduplicated`).
+each list argument, its output layout) (`_metas_deduplicated`, `_strategies_deduplicated`).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def install() -> None:
             _sharding_prop._propagate_use_strided_shard_flag = _scanned_once(scan, _StridedShard)
         expand = getattr(_sharding_prop, "_expand_single_dim_strategy_to_mesh", None)
         if expand is not None:
-            _sharding_prop._expand_single_dim_strategy_to_mesh = _deduplicated(expand)
+            _sharding_prop._expand_single_dim_strategy_to_mesh = _strategies_deduplicated(expand)
         propagator = _sharding_prop.ShardingPropagator
         metas = getattr(propagator, "_propagate_tensor_meta_non_cached", None)
         if metas is not None:
@@ -66,7 +66,7 @@ def _scanned_once(original, strided_shard: type):
     return propagate_use_strided_shard_flag
 
 
-def _deduplicated(original):
+def _strategies_deduplicated(original):
     from torch.distributed.tensor._op_schema import OpSchema, TupleStrategy
 
     def expand_single_dim_strategy_to_mesh(mesh, op_schema, strategy_info, output_tensor_meta):
