@@ -1,6 +1,7 @@
 """Where the first compiled forward and backward of rank 0 go: dynamo's own tracing, the zero backend's call (the
 passes, AOTAutograd, inductor's forward), the rest (the backward's compile and run), and how long Python's garbage
-collector ran in all that, with how many full collections. GPT d=128, world 2 (gloo), stage 3, 4x128 tokens.
+collector ran in all that, with how many full collections; then what dynamo's guards on the compiled forward cost
+each later call. GPT d=128, world 2 (gloo), stage 3, 4x128 tokens.
 
     python bench/first_step_split.py --layers 8,32                      # as a user runs it
     python bench/first_step_split.py --layers 8,32 --collector-on       # without backend.collector_paused
@@ -72,7 +73,21 @@ def worker(rank: int, world: int, layers: int, args) -> dict:
     total = time.perf_counter() - t0
     gc.callbacks.remove(on_collect)
     return {"total": total, "forward": forward, "backend": in_backend[0], "collector": collected[0],
-            "full": full[0], "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "full": full[0], "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "guards_ms": _guard_check_ms(model, {"self": model, "idx": x[:, :-1], "targets": x[:, 1:]})}
+
+
+def _guard_check_ms(model, frame_locals: dict, calls: int = 200) -> float | None:
+    """What dynamo's guards on the compiled forward cost each call: its cache entry's guard check, timed."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+    if len(entries) != 1 or not entries[0].guard_manager.check(frame_locals):
+        return None
+    check = entries[0].guard_manager.check
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        check(frame_locals)
+    return (time.perf_counter() - t0) * 1e3 / calls
 
 
 def main() -> None:
@@ -85,12 +100,13 @@ def main() -> None:
                     "first trace and restart it, collector on during the traces")
     args = ap.parse_args()
     print("| layers | first fwd+bwd (s) | forward minus the backend call (s) | backend call (s) | backward (s) | collector (s) "
-          "| full collections | peak RSS (MiB) |\n|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+          "| full collections | peak RSS (MiB) | guard check per call (ms) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+          flush=True)
     for layers in (int(n) for n in args.layers.split(",")):
         r = run_world(2, worker, layers, args, timeout=900)[0]
         print(f"| {layers} | {r['total']:.2f} | {r['forward'] - r['backend']:.2f} | {r['backend']:.2f} | "
-              f"{r['total'] - r['forward']:.2f} | {r['collector']:.2f} | {r['full']} | {r['rss_mib']:.0f} |",
-              flush=True)
+              f"{r['total'] - r['forward']:.2f} | {r['collector']:.2f} | {r['full']} | {r['rss_mib']:.0f} | "
+              f"{'-' if r['guards_ms'] is None else format(r['guards_ms'], '.2f')} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,4 @@ def test_first_step_split_parts_add_up():
     total, rest, backend, backward, collector = (float(row[k]) for k in range(2, 7))
     assert backend > 0 and rest > 0 and backward > 0 and collector >= 0
     assert abs(total - (rest + backend + backward)) < 0.02  # the parts are the whole (rounding)
+    assert float(row[9]) > 0  # the compiled forward's guard check, timed

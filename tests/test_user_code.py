@@ -29,6 +29,16 @@ def test_user_code_matches_reference(stage):
         assert {v[0] for v in out["state_dict"].values()} == {"DTensor"}
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_freezing_that_alternates_trains_like_the_reference_and_compiles_each_pattern_once(stage):
+    ref = user_workers.alternating_freeze(None, 2, None)
+    for out in run_world(2, user_workers.alternating_freeze, stage):
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(out["params"][name], value, **TOL, msg=name)
+        # two patterns: the second step compiles the other one, later steps reuse both
+        assert out["compiles"][1] == out["compiles"][-1] == out["compiles"][0] + 1, out["compiles"]
+
+
 def test_optimizer_built_after_first_forward_with_groups_and_scheduler():
     ref = user_workers.optimizer_after_forward(None, 2, None)
     for out in run_world(2, user_workers.optimizer_after_forward, 3):

@@ -569,3 +569,27 @@ def writes_between_forwards(rank: int, world: int, stage: int) -> dict:
             ref.load_state_dict({k: _full(v) for k, v in model.state_dict().items()})
             out[how] = (got, loss_of(ref, "gpt", x).item())
     return out
+
+
+def alternating_freeze(rank: int | None, world: int, stage: int | None, steps: int = 6) -> dict:
+    """GAN-style training: each step trains one half of the model with the other frozen by requires_grad_ on the
+    module's parameters, alternating. Each pattern compiles once: a pattern seen before reuses its graph (counted
+    by dynamo's compiles). rank None: the single-process reference."""
+    model = build_model("gpt3")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    run = model if rank is None else torch.compile(model, backend="zero",
+                                                   options={"config": {"stage": stage, "backend": "eager"}})
+    compiles = []
+    for step in range(steps):  # the module's parameters as they are now (the first forward replaces them)
+        model.blocks[0].requires_grad_(step % 2 == 0)
+        model.blocks[2].requires_grad_(step % 2 == 1)
+        model.lm_head.weight.requires_grad_(step % 2 == 1)
+        x = _batch(step, world)
+        if rank is None:
+            (sum(loss_of(run, "gpt", rank_slice(x, r, world)) for r in range(world)) / world).backward()
+        else:
+            loss_of(run, "gpt", rank_slice(x, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        compiles.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}, "compiles": compiles}

@@ -6,6 +6,8 @@
   torch.compile(model), module arguments of a compiled function, a deep copy of a sharded model) are sharded as
   the backend would shard them after the trace (dtensor_params.shard_model), so the first trace reads the
   DTensors.
+- **Trace parameters as tokens**: the parameter properties return stand-in tokens instead of the DTensors while a
+  zero-backend compile is in progress (dtensor_params, [Note: tokens]).
 - **Pause the cyclic garbage collector** for the whole compile of the frame, trace included (the backend's
   collector_paused covers only its own call; why: backend.collector_paused).
 - **Say what to do when a traced-once block holds a graph break**: dynamo refuses to split the nested compile
@@ -64,11 +66,14 @@ def _on_start(_args) -> None:
     modules = [m for m in map(_module_of, frame_locals.values()) if m is not None]
     _compiles.append((modules, gc.isenabled()))
     gc.disable()
+    dtensor_params.zero_trace_started()
     _shard_modules(options, modules)
 
 
 def _on_end(_args) -> None:
     modules, paused = _compiles.pop() if _compiles else (None, False)
+    if modules is not None:
+        dtensor_params.zero_trace_ended()
     if paused:
         gc.enable()
     failed = sys.exc_info()[1]  # the end callback runs as dynamo's compile of the frame unwinds

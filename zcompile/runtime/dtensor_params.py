@@ -11,7 +11,9 @@ forward it returns the DTensor; inside a forward it returns the whole parameter,
 leaves `placeholder(DTensor) -> redistribute -> to_local` in the graph; `unwrap_graph` collapses each chain into
 one plain placeholder of the parameter's full shape, so the passes see what they always saw, and the backend feeds
 that placeholder with the shard (`graph_input`), whose gradient `_GradToParam` hands back to `p.grad`.
-Dynamo guards on the DTensor itself, so `requires_grad_` toggled between steps recompiles as it should.
+Dynamo guards on the DTensor itself, so `requires_grad_` toggled between steps recompiles as it should. While dynamo
+traces for the zero backend the property returns a stand-in token instead, which costs dynamo less ([Note: tokens]);
+the backend then guards on the DTensor's requires_grad itself.
 
 Not DTensors (they stay plain, storage-free stand-ins as before): 0-d parameters, row-tiled parameters
 (tile_linears: their rows per rank are not torch.chunk sizes) and parameters offloaded to NVMe.
@@ -67,6 +69,7 @@ def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout
     zp.dtensor = param
     zp.wrapper_storage = param.untyped_storage()._cdata
     retire(zp)
+    zp.token = _token(zp)
     zp.seen_version = zp.versions()
     return param
 
@@ -81,6 +84,66 @@ def retire(zp: shard_store.ShardedParam) -> None:
     zp.standin_grad = old.requires_grad
     with torch.no_grad():  # one NaN seen through every index: reads give NaN, writes fail (overlapping memory)
         old.data = torch.full((1,), float("nan"), dtype=old.dtype, device=old.device).expand(old.shape)
+
+
+# [Note: tokens] What a zero-backend trace reads for a DTensor parameter. Dynamo wraps each DTensor it meets as a
+# graph input (its local tensor too) and guards on its spec, its local tensor and its mesh with Python lambdas: at 32
+# blocks that was most of dynamo's per-block cost and 1.4 ms of guard checks per call. The graph does not read the
+# DTensor anyway (the backend feeds its placeholder with the shard, `ShardedParam.graph_input`), so while dynamo
+# traces for the zero backend the property returns the parameter's token: a plain tensor of the whole parameter's
+# shape, dtype and compute device over one NaN element, which requires grad. The backend (`unwrap_graph`) turns
+# each token's placeholder into the whole parameter, requiring grad as the DTensor does, and guards that the
+# module still holds that DTensor and on its requires_grad: what dynamo's own guards on the DTensor ensured.
+# Other backends, and frames before_trace does not see, trace the DTensor path.
+_zero_traces = 0  # dynamo compiles for the zero backend in progress (before_trace)
+
+
+@torch._dynamo.assume_constant_result
+def _tracing_for_zero() -> bool:
+    """Read at trace time without a guard: the compiled code serves a call whatever this returns then."""
+    return _zero_traces > 0
+
+
+def _token(zp: shard_store.ShardedParam) -> torch.Tensor:
+    floating = zp.dtype.is_floating_point or zp.dtype.is_complex
+    with torch.no_grad():
+        one = torch.full((1,) * len(zp.shape), float("nan") if floating else 0, dtype=zp.dtype,
+                         device=zp.standin_device)
+    token = one.expand(zp.shape).detach().requires_grad_(floating)
+    token._zc_token_of = weakref.ref(zp)
+    return token
+
+
+def token_owner(t) -> shard_store.ShardedParam | None:
+    """The ShardedParam whose token `t` is."""
+    ref = getattr(t, "_zc_token_of", None)
+    return ref() if ref is not None else None
+
+
+def zero_trace_started() -> None:
+    """Dynamo starts compiling a frame for the zero backend (before_trace): the modules' tokens follow their
+    parameters (a parameter the user replaced is traced as it is), and the properties return them."""
+    global _zero_traces
+    refresh_tokens()
+    _zero_traces += 1
+
+
+def zero_trace_ended() -> None:
+    global _zero_traces
+    _zero_traces -= 1
+
+
+def refresh_tokens() -> None:
+    for module, names in list(_OWNED.items()):
+        tokens = module.__dict__.get("_zc_tokens")
+        if tokens is None:
+            continue
+        for name, ref in names.items():
+            zp = ref()
+            if zp is not None and zp.token is not None and module._parameters.get(name) is zp.dtensor:
+                tokens[name] = zp.token
+            else:
+                tokens.pop(name, None)
 
 
 # -- the module side: swap parameters, properties, eager forwards
@@ -127,6 +190,7 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
                 p._zc_dtensor = done[id(p)]  # an optimizer built before this still holds p: adopt_optimizer maps it
             module._parameters[name] = done[id(p)]
             zp = done[id(p)]._zc
+            module.__dict__.setdefault("_zc_tokens", {})[name] = zp.token
             _OWNED.setdefault(module, {})[name] = weakref.ref(zp)
             names.append(name)
             if zp.standin_device != done[id(p)].device:  # a host-offloaded shard of a parameter computed on a GPU
@@ -189,6 +253,12 @@ def _with_properties(module: nn.Module, names: list[str]) -> None:
 
 def _getter(name: str):
     def get(self):
+        if torch.compiler.is_compiling() and _tracing_for_zero():
+            token = self._zc_tokens.get(name)
+            if token is not None:  # the parameter is still zcompile's DTensor: see [Note: tokens]
+                if not self._zc_in_region and self._zc_instance < 0:
+                    raise AssertionError
+                return token
         p = self._parameters[name]
         if not isinstance(p, DTensor) or not (torch.compiler.is_compiling() or getattr(_forward, "depth", 0)):
             return p
@@ -269,6 +339,8 @@ def _deepcopy(self, memo):
     """copy.deepcopy (an EMA model, AveragedModel): the copy's parameters are DTensors of their own, same placement,
     not zcompile's. Copied here: torch's Tensor.__deepcopy__ takes a DTensor whose wrapper has a storage offset (rows
     inside a stage 1/2 buffer) for a plain tensor and fails on its data-less storage."""
+    if "_zc_tokens" in self.__dict__:  # the copy's parameters are not zcompile's: no tokens until it shards them
+        memo[id(self.__dict__["_zc_tokens"])] = {}
     for name in _OWNED.get(self, {}):
         p = self._parameters.get(name)
         if p is not None and id(p) not in memo:
@@ -441,7 +513,13 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
     fake_mode = detect_fake_mode()
     inputs, params = list(example_inputs), {}
     for k, (ph, x) in enumerate(zip(phs, example_inputs)):
-        zp = shard_store.owner(x) if isinstance(x, DTensor) else None
+        zp = token_owner(x)
+        if zp is not None:
+            _guard_token(ph, zp)
+            requires_grad = zp.dtensor.requires_grad
+        else:
+            zp = shard_store.owner(x) if isinstance(x, DTensor) else None
+            requires_grad = getattr(x, "requires_grad", False)
         if zp is None:
             if isinstance(x, DTensor) and getattr(x, "_is_param", False):
                 raise ZeroError(
@@ -451,8 +529,10 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
                     "fresh model and compile that")
             continue
         with fake_mode:
-            fake = torch.empty(zp.shape, dtype=zp.dtype, device=zp.standin_device, requires_grad=x.requires_grad)
-        _collapse(gm, ph, zp, fake)
+            fake = torch.empty(zp.shape, dtype=zp.dtype, device=zp.standin_device, requires_grad=requires_grad)
+        _collapse(gm, ph, zp, fake, token=x is zp.token)
+        if x is zp.token:  # named as dynamo names a parameter read from the module
+            ph._rename(ph.name.replace("_zc_tokens_", "_parameters_"))
         inputs[k] = fake
         params[k] = zp
     _drop_unused_operands(gm)
@@ -481,10 +561,11 @@ def _operands(node: torch.fx.Node) -> tuple:
     return node.args[_WRAPPERS[node.target]:]
 
 
-def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.ShardedParam, fake: torch.Tensor) -> None:
+def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.ShardedParam, fake: torch.Tensor,
+              token: bool) -> None:
     """Each `redistribute -> to_local` of placeholder `ph` becomes `ph`, which now stands for the whole parameter
     (`fake`); a wrapper that takes `ph` passes it on, so the same happens to its body's placeholder."""
-    if "example_value" in ph.meta and not isinstance(ph.meta["example_value"], DTensor):
+    if ph.meta.get("zc_whole"):
         return  # a body that several wrapper calls share (a block traced once): collapsed already
     for use in list(ph.users):
         if _wraps(use):
@@ -492,8 +573,10 @@ def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.Shard
             inner = [n for n in body.graph.nodes if n.op == "placeholder"]
             for i, arg in enumerate(_operands(use)):
                 if arg is ph:
-                    _collapse(body, inner[i], zp, fake)
+                    _collapse(body, inner[i], zp, fake, token)
             continue  # the body recompiles once, in _drop_unused_operands (once per parameter cost seconds)
+        if token:
+            continue  # a token stands for the whole parameter already
         if not _calls(use, "redistribute") or not all(_calls(u, "to_local") for u in use.users):
             raise ZCompileError(
                 f"parameter {ph.name} of shape {list(zp.shape)} is used as a DTensor inside the compiled region "
@@ -504,6 +587,24 @@ def _collapse(gm: torch.fx.GraphModule, ph: torch.fx.Node, zp: shard_store.Shard
             gm.graph.erase_node(to_local)
         gm.graph.erase_node(use)
     ph.meta["example_value"] = fake
+    ph.meta["zc_whole"] = True
+
+
+def _guard_token(ph: torch.fx.Node, zp: shard_store.ShardedParam) -> None:
+    """Dynamo's guards for what a token stands for (see [Note: tokens]): the module (the token's dict's owner)
+    still holds zp's DTensor, which requires grad as it does now."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource, DictGetItemSource
+    source = getattr(ph.meta.get("grapharg"), "source", None)
+    tokens = getattr(source, "base", None)
+    if not (isinstance(source, DictGetItemSource) and isinstance(tokens, AttrSource) and tokens.member == "_zc_tokens"):
+        raise ZCompileError(f"parameter {zp.name or list(zp.shape)} reached the graph through {source}, not through "
+                            "its module's _zc_tokens: this torch's dynamo names sources otherwise than zcompile knows")
+    param = DictGetItemSource(AttrSource(tokens.base, "_parameters"), source.index)
+    # identity through the parameter's ShardedParam: an ID_MATCH on the parameter would hold a weak reference to it,
+    # and torch.utils.swap_tensors (model.to(), nn.Module._apply) refuses to swap a tensor that has one
+    install_guard(AttrSource(param, "_zc").make_guard(GuardBuilder.ID_MATCH),
+                  AttrSource(param, "requires_grad").make_guard(GuardBuilder.EQUALS_MATCH))
 
 
 def _drop_unused_operands(gm: torch.fx.GraphModule, dropped: dict | None = None) -> None:

@@ -109,6 +109,7 @@ class ShardedParam:
         self.persist_decided = False  # the planner has considered this parameter (decisions never change after)
         self._step_grad: torch.Tensor | None = None
         self.dtensor: nn.Parameter | None = None  # the module's DTensor parameter (dtensor_params), if it has one
+        self.token: torch.Tensor | None = None  # what zero-backend traces read for that DTensor (dtensor_params)
         self.mesh = None  # the device mesh of that DTensor
         self._grad_spec = None  # the DTensorSpec of its gradients (grad_dtensor)
         self.wrapper_storage = None  # its own (data-less) storage: `p.data = t` replaces it, see check_not_reassigned
@@ -240,7 +241,7 @@ class ShardedParam:
     def graph_input(self, arg: torch.Tensor) -> torch.Tensor:
         """What the compiled graph takes for this parameter, given what dynamo passed (the DTensor or the stand-in)."""
         self.compiled_calls += 1
-        if self.dtensor is not None and arg is self.dtensor:
+        if self.dtensor is not None and (arg is self.dtensor or arg is self.token):
             check_not_reassigned(self)
             if self.standin.requires_grad != self.standin_grad:
                 raise ZeroError(
@@ -249,8 +250,8 @@ class ShardedParam:
                     "is no longer the parameter. Take parameters from the module after the first forward (or call "
                     "zcompile.shard_parameters(model, config) before taking them), e.g. "
                     "`for p in model.block.parameters(): p.requires_grad_(True)`")
-            if arg.requires_grad and torch.is_grad_enabled():
-                return _GradToParam.apply(arg, self)
+            if self.dtensor.requires_grad and torch.is_grad_enabled():
+                return _GradToParam.apply(self.dtensor, self)
             return self.graph_tensor()
         return self.shard if self.stage >= Stage.GRADIENTS else self.param
 
