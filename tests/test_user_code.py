@@ -178,6 +178,7 @@ def test_an_averaged_model_copy_trains_evaluates_and_compiles_like_the_reference
             torch.testing.assert_close(out["ema"][name], value, rtol=1e-5, atol=1e-7, msg=name)
         for key in ("eager", "compiled", "model"):
             assert out[key] == pytest.approx(ref[key], rel=1e-5), (key, out, ref)
+        assert out["model again"] == pytest.approx(ref["model"], rel=1e-5), (out, ref)
         assert ref["compiled"] != pytest.approx(ref["model"], rel=1e-3)  # the EMA differs from the model
 
 

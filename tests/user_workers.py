@@ -466,6 +466,7 @@ def averaged_model(rank: int | None, world: int, stage: int | None) -> dict:
            "model": mean_loss(run)}
     out["compiled"] = mean_loss(ema.module if rank is None else torch.compile(ema.module, backend="zero",
                                                                                 options=config))
+    out["model again"] = mean_loss(run)  # both sharded now: neither may run the other's graph
     return out
 
 
