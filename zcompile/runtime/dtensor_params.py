@@ -91,7 +91,8 @@ def retire(zp: shard_store.ShardedParam) -> None:
 # blocks that was most of dynamo's per-block cost and 1.4 ms of guard checks per call. The graph does not read the
 # DTensor anyway (the backend feeds its placeholder with the shard, `ShardedParam.graph_input`), so while dynamo
 # traces for the zero backend the property returns the parameter's token: a plain tensor of the whole parameter's
-# shape, dtype and compute device over one NaN element, which requires grad. The backend (`unwrap_graph`) turns
+# shape, dtype and compute device over one NaN element, which requires grad (a floating one: inside the forward
+# `requires_grad` reads True for a frozen parameter too, limitations.md). The backend (`unwrap_graph`) turns
 # each token's placeholder into the whole parameter, requiring grad as the DTensor does, and guards that the
 # module still holds that DTensor and on its requires_grad: what dynamo's own guards on the DTensor ensured.
 # Other backends, and frames before_trace does not see, trace the DTensor path.
