@@ -506,7 +506,8 @@ def _calls(node: torch.fx.Node, method: str) -> bool:
 
 def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, dict, list[int]]:
     """Collapse `placeholder(DTensor) -> redistribute -> to_local` into a plain full-shape placeholder, also where the
-    chain is inside the body of an activation checkpoint (torch.utils.checkpoint under dynamo).
+    chain is inside the body of an activation checkpoint (torch.utils.checkpoint under dynamo); a token's placeholder
+    ([Note: tokens]) stands for the whole parameter already and gets the guards dynamo kept on the DTensor.
 
     Returns (example inputs for AOTAutograd, {input index: ShardedParam}, indices of dropped inputs: the meshes)."""
     from torch._guards import detect_fake_mode
@@ -515,8 +516,10 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
     inputs, params = list(example_inputs), {}
     for k, (ph, x) in enumerate(zip(phs, example_inputs)):
         zp = token_owner(x)
-        if zp is not None:
+        token = zp is not None
+        if token:
             _guard_token(ph, zp)
+            ph._rename(ph.name.replace("_zc_tokens_", "_parameters_"))  # as dynamo names a parameter it reads
             requires_grad = zp.dtensor.requires_grad
         else:
             zp = shard_store.owner(x) if isinstance(x, DTensor) else None
@@ -531,9 +534,7 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
             continue
         with fake_mode:
             fake = torch.empty(zp.shape, dtype=zp.dtype, device=zp.standin_device, requires_grad=requires_grad)
-        _collapse(gm, ph, zp, fake, token=x is zp.token)
-        if x is zp.token:  # named as dynamo names a parameter read from the module
-            ph._rename(ph.name.replace("_zc_tokens_", "_parameters_"))
+        _collapse(gm, ph, zp, fake, token)
         inputs[k] = fake
         params[k] = zp
     _drop_unused_operands(gm)
