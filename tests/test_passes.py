@@ -336,3 +336,18 @@ def test_offload_grads_moves_the_reduced_shard_not_the_full_gradient():
         wait = piece.args[0]
         assert collectives.is_op(wait.args[0], "reduce_scatter")  # the scatter's output, not its input
     assert ops(gm).count("to_host") == 2
+
+
+def test_a_phase_whose_pass_breaks_the_graph_fails_naming_the_passes(monkeypatch):
+    """The graph is linted once per phase (each lint walks the whole graph): a malformed result still fails, and
+    the error names the passes that ran."""
+    from zcompile.compiler import passes
+
+    def breaks(gm, pctx):  # the matmul moved before the weight's transpose it reads
+        mm, t = call(gm, "mm"), call(gm, "t")
+        t.prepend(mm)
+        return gm
+    monkeypatch.setitem(passes.PASSES, "shard_params", breaks)
+    gm = trace(_linear_fw, (4, 4), (3, 4))
+    with pytest.raises(AssertionError, match=r"after pass\(es\) \[.*'shard_params'.*\] is malformed"):
+        passes.run_phase("split", gm, context({"stage": 3}, "forward", {0: (4, 4)}, 2))

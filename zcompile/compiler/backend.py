@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
-from zcompile.compiler import before_trace, block_regions, fake_values, graph_cache, trace_blocks_once
+from zcompile.compiler import aot_graph_logs, before_trace, block_regions, fake_values, graph_cache, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext
@@ -558,7 +558,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
         return graph_cache.compiler(job, kind, _boxed) if cached else functools.partial(_boxed, job, kind)
     try:
         with block_regions.mutation_check_once() if job.regions_kept else contextlib.nullcontext(), \
-                graph_cache.keyed(job) if cached else contextlib.nullcontext():
+                graph_cache.keyed(job) if cached else contextlib.nullcontext(), aot_graph_logs.quiet():
             compiled = aot_autograd(
                 fw_compiler=compiler("forward"),
                 bw_compiler=compiler("backward"),

@@ -34,17 +34,28 @@ def check_records(gm: fx.GraphModule, allowed: frozenset, after: str) -> None:
 def run_phase(phase: str, gm: fx.GraphModule, pctx,
               on_pass: Callable[[str, fx.GraphModule], None] | None = None) -> fx.GraphModule:
     """Run the pipeline's passes of one phase in order; on_pass(name, gm) sees the graph after each (for dumps).
-    The Python code is regenerated once at the end (after each pass only for on_pass): on a deep model each
-    regeneration takes about a second."""
-    names = pctx.cfg.passes
+    The Python code is regenerated and the graph linted once at the end (after each pass only for on_pass): on a
+    deep model each regeneration takes about a second, each lint a few hundredths."""
+    names, ran = pctx.cfg.passes, []
     for k, name in enumerate(names):
         if CONTRACTS[name].phase != phase:
             continue
         gm = PASSES[name](gm, pctx)
-        gm.graph.lint()
+        ran.append(name)
         check_records(gm, written_fields(names[:k + 1]), name)
         if on_pass is not None:
+            _lint(gm, [name])
             gm.recompile()
             on_pass(name, gm)
+    if ran:
+        _lint(gm, ran)
     gm.recompile()
     return gm
+
+
+def _lint(gm: fx.GraphModule, ran: list[str]) -> None:
+    try:
+        gm.graph.lint()
+    except Exception as e:
+        raise AssertionError(f"the graph after pass(es) {ran} is malformed: {e} (with dump_dir set, each pass's "
+                             "graph is checked and dumped)") from e

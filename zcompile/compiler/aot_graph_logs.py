@@ -1,0 +1,42 @@
+"""AOTAutograd prints its graphs as readable code (strides, devices) for its logs and cache entries whether or not a
+log is on: the joint graph, then the partitioned forward and backward (`_log_fw_bw_graphs`, `print_readable` on
+each), or an inference graph. zcompile's are the whole model's (docs/compile-time.md: ~0.6 s of a 32-layer GPT's cold
+compile, growing with depth). `aot_module_simplified` has no switch for it (its AOTConfig's `enable_log` is always
+on), so during zcompile's own AOTAutograd call `quiet()` makes those functions return what they return with logging
+off, unless the `aot_graphs` log (TORCH_LOGS=aot_graphs) or a structured trace (TORCH_TRACE, for tlparse) would read
+the strings. A cache entry then holds no graph strings (tlparse of a warm launch shows none).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from unittest import mock
+
+
+def wanted() -> bool:
+    """Whether a log would read AOTAutograd's graph strings: the aot_graphs or aot_joint_graph artifact logs, or a
+    structured trace."""
+    from torch._functorch._aot_autograd import graph_compile
+    from torch._logging import _internal
+    logs = [getattr(graph_compile, name, None) for name in ("aot_graphs_log", "aot_joint_log")]
+    if any(log is None or log.isEnabledFor(logging.INFO) for log in logs) or os.getenv("MAST_HPC_JOB_NAME"):
+        return True
+    # torch always installs a LazyTraceHandler; without a directory (TORCH_TRACE unset) it writes nothing
+    return any(not isinstance(h, _internal.LazyTraceHandler) or h.root_dir is not None
+               for h in _internal.trace_log.handlers)
+
+
+# torch's functions (torch >= 2.11) and what each returns with logging off: its graphs' strings
+_LOGGERS = {"_log_joint_graph": None, "_log_fw_bw_graphs": (None, None), "_log_inference_graph": None}
+
+
+@contextlib.contextmanager
+def quiet():
+    from torch._functorch._aot_autograd import graph_compile
+    with contextlib.ExitStack() as stack:
+        if not wanted():
+            for name, off in _LOGGERS.items():
+                if hasattr(graph_compile, name):
+                    stack.enter_context(mock.patch.object(graph_compile, name, lambda *a, _off=off, **k: _off))
+        yield
