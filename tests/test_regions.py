@@ -500,8 +500,8 @@ def test_regional_inductor_stage3_matches_the_reference(name):
 
 def _isa_probe_calls(rank: int, world: int) -> dict:
     """A stage-3 inductor compile in a fresh process, recording in order which threads called inductor's CPU ISA
-    probe, whether it had a result already (the probe is functools-cached), and where the first inductor compile
-    began."""
+    probe, whether it had a result already (the probe is functools-cached), where the first inductor compile
+    began, and which ISAs were built with ATen's vector headers and loaded to check them (thread, ISA)."""
     import threading
 
     from torch._inductor import cpu_vec_isa
@@ -510,61 +510,57 @@ def _isa_probe_calls(rank: int, world: int) -> dict:
 
     calls, probe, compile_inductor = [], cpu_vec_isa.valid_vec_isa_list, zinductor.compile_inductor
     assert probe.cache_info().currsize == 0, "this process has probed already: the test needs a fresh one"
+    builds, check_build = [], cpu_vec_isa.VecISA.check_build
 
     def recorded_probe():
         calls.append((threading.current_thread().name, probe.cache_info().currsize > 0))
         return probe()
 
+    def recorded_build(isa, code):  # the check of an ISA as a whole: ATen's vector headers (others: one intrinsic)
+        if code == cpu_vec_isa.VecISA._avx_code:
+            builds.append((threading.current_thread().name, str(isa)))
+        return check_build(isa, code)
+
     def recorded_compile(*args):
         calls.append("compile_inductor")
         return compile_inductor(*args)
     cpu_vec_isa.valid_vec_isa_list, zinductor.compile_inductor = recorded_probe, recorded_compile
+    cpu_vec_isa.VecISA.check_build = recorded_build
     net = Net(2)
     run = torch.compile(net, backend="zero", options={"config": {"stage": 3, "backend": "inductor",
                                                                  "regional_compile": False}})
     run(torch.randn(4, 16)).backward()
-    return {"calls": calls, "probed": probe.cache_info().currsize}
+    return {"calls": calls, "probed": probe.cache_info().currsize, "builds": builds,
+            "picked": str(cpu_vec_isa.pick_vec_isa()), "valid": [str(isa) for isa in probe()]}
 
 
 def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile():
-    """zcompile/compiler/backends/warmup.py: the zero backend starts inductor's one-time ISA probe (g++ builds and
-    child processes, seconds) when first entered, beside dynamo's trace and the passes; the first inductor compile
-    waits for it instead of probing itself."""
+    """zcompile/compiler/backends/warmup.py: the zero backend starts inductor's one-time ISA check (a g++ build of
+    ATen's vector headers and a child process, seconds) when first entered, beside dynamo's trace and the passes,
+    for the one ISA inductor will use; the first inductor compile waits for it and fills inductor's list from the
+    CPU's flags instead of building every candidate (on x86: one build where inductor makes up to four)."""
+    import platform
+
     from tests.harness import run_world
     (res,) = run_world(1, _isa_probe_calls)
     calls = res["calls"]
     assert res["probed"] == 1 and "compile_inductor" in calls, calls
     probes = [c for c in calls if c != "compile_inductor"]
-    assert probes[0] == ("zcompile-inductor-warmup", False), calls  # the warmup computes it
-    assert all(cached for name, cached in probes if name != "zcompile-inductor-warmup"), calls  # the rest read it
+    if platform.machine() in ("x86_64", "AMD64") and len(res["valid"]) > 1:
+        assert res["builds"] == [("zcompile-inductor-warmup", res["picked"])], res  # the one used, built once
+        assert calls.index("compile_inductor") < calls.index(("MainThread", False)), calls  # made in wait()
+        assert res["picked"] == res["valid"][0], res
+    else:  # one candidate or none: the warmup computes inductor's list itself
+        assert probes[0] == ("zcompile-inductor-warmup", False), calls
+    assert all(cached for name, cached in probes if name not in ("zcompile-inductor-warmup", "MainThread")), calls
 
 
-def test_the_warmup_starts_once_and_only_for_cpu_compiles(monkeypatch):
-    from zcompile.compiler.backends import warmup
-    ran = []
-    monkeypatch.setattr(warmup, "_started", None)
-    monkeypatch.setattr(warmup, "_probe", lambda: ran.append(1))
-    warmup.start(torch.device("meta"))
-    assert warmup._started is None
-    warmup.start(torch.device("cpu"))
-    first = warmup._started
-    warmup.start(torch.device("cpu"))
-    assert warmup._started is first
-    warmup.wait()
-    assert ran == [1] and not first.is_alive()
-
-
-def test_the_warmup_checks_the_candidate_isas_at_once(monkeypatch):
-    """Inductor checks each candidate ISA in turn (a g++ build and a child process each); the warmup checks the
-    ones this CPU's flags allow at once, so each check meets the others (a barrier: in turn, the first would time
-    out), and never one the CPU lacks; a check that raises is left to inductor's own list, without a thread's
-    traceback."""
-    import platform
+def _fake_isas(results: dict, checked: list, barrier=None):
+    """A cpu_vec_isa stand-in: x86 candidates (AMX first, as inductor lists them; this CPU lacks AMX) whose check
+    records itself and returns `results[flags]` (raising it if it is an exception); with a barrier, each check made
+    in a thread waits for the others."""
     import threading
     import types
-
-    from zcompile.compiler.backends import warmup
-    barrier, checked = threading.Barrier(3, timeout=20), []
 
     class Isa:
         def __init__(self, flags):
@@ -573,23 +569,75 @@ def test_the_warmup_checks_the_candidate_isas_at_once(monkeypatch):
         def __str__(self):
             return self.flags
 
+        def bit_width(self):
+            return 256 if self.flags == "avx2" else 512
+
         def __bool__(self):
             checked.append(self.flags)
-            barrier.wait()  # raises in the thread (broken barrier) unless all three checks run together
-            checked.append("met")
-            if self.flags == "avx2":
-                raise OSError("a check that fails")  # left to valid_vec_isa_list, no traceback from the thread
-            return True
+            if barrier is not None and threading.current_thread() is not threading.main_thread():
+                barrier.wait()  # raises in the thread (broken barrier) unless all the checks run together
+                checked.append("met")
+            result = results.get(self.flags, True)
+            if isinstance(result, Exception):
+                raise result
+            return result
 
-    fake = types.SimpleNamespace(x86_isa_checker=lambda: ["avx2", "avx512", "avx512_vnni"],
-                                 supported_vec_isa_list=[Isa("amx_tile"), Isa("avx512 avx512_vnni"), Isa("avx512"),
-                                                         Isa("avx2")])
+    made = []
+    return types.SimpleNamespace(
+        x86_isa_checker=lambda: ["avx2", "avx512", "avx512_vnni"], made=made, invalid_vec_isa=None,
+        supported_vec_isa_list=[Isa("avx512 avx512_vnni amx_tile"), Isa("avx512 avx512_vnni"), Isa("avx512"),
+                                Isa("avx2")],
+        valid_vec_isa_list=lambda: made.append(1),
+        get_isa_from_cpu_capability=lambda cap, found, invalid: next((i for i in found if cap in str(i)), invalid))
+
+
+def test_the_warmup_builds_only_the_isa_inductor_will_use(monkeypatch):
+    import platform
+    import types
+
+    from zcompile.compiler.backends import warmup
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    config = types.SimpleNamespace(cpp=types.SimpleNamespace(vec_isa_ok=None, simdlen=None))
+    checked = []
+    isas = _fake_isas({}, checked)
+    assert str(warmup._verify(isas, config)) == "avx512 avx512_vnni" and checked == ["avx512 avx512_vnni"]
+    assert isas.made == []  # inductor's list is made by wait(), from the flags
+    checked.clear()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # inductor then picks AVX2: that one is checked
+    assert str(warmup._verify(isas, config)) == "avx2" and checked == ["avx2"]
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    checked.clear()
+    config.cpp.simdlen = 256
+    assert str(warmup._verify(isas, config)) == "avx2" and checked == ["avx2"]
+    config.cpp.simdlen, config.cpp.vec_isa_ok = None, False  # the user's own answer: nothing built here
+    checked.clear()
+    assert warmup._verify(isas, config) is None and checked == [] and isas.made == []
+
+
+def test_the_warmup_checks_the_candidate_isas_at_once_when_the_chosen_one_fails(monkeypatch):
+    """Inductor checks each candidate ISA in turn (a g++ build and a child process each); should the one it will
+    use fail, the warmup checks the ones this CPU's flags allow at once, so each check meets the others (a barrier:
+    in turn, the first would time out), and never one the CPU lacks; a check that raises is left to inductor's own
+    list, without a thread's traceback."""
+    import platform
+    import threading
+    import types
+
+    from zcompile.compiler.backends import warmup
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    config = types.SimpleNamespace(cpp=types.SimpleNamespace(vec_isa_ok=None, simdlen=None))
+    checked = []
+    isas = _fake_isas({"avx512 avx512_vnni": False, "avx2": OSError("a check that fails")}, checked,
+                      threading.Barrier(3, timeout=20))
     thread_errors = []
     monkeypatch.setattr(threading, "excepthook", thread_errors.append)
-    warmup._check_each(fake)
+    assert warmup._verify(isas, config) is None
     assert thread_errors == [], thread_errors
-    assert sorted(checked) == sorted(["avx512 avx512_vnni", "avx512", "avx2"] + ["met"] * 3), checked
+    assert checked[0] == "avx512 avx512_vnni"  # the chosen one, first and alone (inductor caches its result)
+    assert sorted(checked[1:]) == sorted(["avx512 avx512_vnni", "avx512", "avx2"] + ["met"] * 3), checked
+    assert isas.made == [1]  # inductor's list, made from those checks
 
 
 def test_an_eager_region_drops_what_inductor_needed_to_hold_collective_inputs():

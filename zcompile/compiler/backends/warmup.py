@@ -1,12 +1,18 @@
 """Start inductor's one-time host setup in the background when the zero backend is first entered.
 
 Before its first C++ kernel, inductor finds the CPU's vector ISA (`cpu_vec_isa.valid_vec_isa_list`): it builds a
-test library with g++ for each candidate ISA and loads each in a child Python, once per process (6.2 s of the first
-forward's compile with a fresh cache, 1.2 s with a warm one, on the 2-core benchmark VM; docs/compile-time.md).
-That is waiting on subprocesses, so it runs beside dynamo's trace, AOTAutograd and the passes, which come first.
-The inductor compile joins it (`wait`): the probe's result is functools-cached, and two threads computing it at
-once would each build. The candidate ISAs are checked at once (`_check_each`), where inductor checks them in turn.
-A probe that fails here is left to inductor, which runs it again and reports as usual.
+test library with g++ for each candidate ISA the CPU's flags allow and loads each in a child Python, once per
+process, each build compiling ATen's vector headers (on the benchmark VM 2.7, 2.3, 1.9 and 1.6 s of CPU for AMX,
+AVX512-VNNI, AVX512 and AVX2: 8.5 s per cold cache, on 2 cores; docs/compile-time.md). It uses one of them: the
+first in that list (or the one ATEN_CPU_CAPABILITY / cpp.simdlen names, `_chosen`). So the warmup checks only that
+one (`_probe`); once it builds and loads, the first inductor compile (`wait`) fills inductor's list from the CPU's
+flags without building the others (`cpp.vec_isa_ok` for that one call): x86 ISAs nest, so a compiler and OS that
+build and load the chosen one build the smaller ones too. Should the chosen one fail, the warmup checks the other
+candidates at once (`_check_each`), where inductor checks them in turn, and inductor's list comes from those
+checks as without zcompile. A user's own `cpp.vec_isa_ok` (TORCHINDUCTOR_VEC_ISA_OK) is left to inductor. The
+probe runs beside dynamo's trace, AOTAutograd and the passes, which come first; the inductor compile joins it: the
+probe's result is functools-cached, and two threads computing it at once would each build. A probe that fails
+here is left to inductor, which runs it again and reports as usual.
 """
 from __future__ import annotations
 
@@ -16,15 +22,50 @@ import torch
 
 _started: threading.Thread | None = None
 _lock = threading.Lock()
+_verified = None  # the ISA inductor will pick, once it built and loaded (`_probe`); wait() fills the list from it
 
 
 def _probe() -> None:
+    global _verified
     try:
-        from torch._inductor import cpu_vec_isa
-        _check_each(cpu_vec_isa)
-        cpu_vec_isa.valid_vec_isa_list()
+        from torch._inductor import config, cpu_vec_isa
+        _verified = _verify(cpu_vec_isa, config)
     except Exception:  # inductor probes again where it needs the result, and raises there
         pass
+
+
+def _verify(cpu_vec_isa, config):
+    """The ISA inductor will use, if it builds and loads; else None, after checking the other candidates at once
+    and making inductor's list from those checks (or nothing, where the user set cpp.vec_isa_ok)."""
+    if config.cpp.vec_isa_ok is not None:  # the user's answer: inductor builds nothing
+        return None
+    chosen = _chosen(cpu_vec_isa, config)
+    if chosen is not None and bool(chosen):  # a g++ build and a child process; cached on the ISA object
+        return chosen
+    _check_each(cpu_vec_isa)
+    cpu_vec_isa.valid_vec_isa_list()
+    return None
+
+
+def _chosen(cpu_vec_isa, config):
+    """The x86 ISA inductor's pick_vec_isa will take from its list, chosen from the CPU's flags alone (None: another
+    platform, or none to pick)."""
+    import os
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = cpu_vec_isa.x86_isa_checker()
+    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                  if all(flag in flags for flag in str(isa).split())]
+    if not candidates:
+        return None
+    if config.cpp.simdlen is not None:
+        return next((isa for isa in candidates if isa.bit_width() == config.cpp.simdlen), None)
+    capability = os.getenv("ATEN_CPU_CAPABILITY")
+    if not capability:
+        return candidates[0]
+    isa = cpu_vec_isa.get_isa_from_cpu_capability(capability, candidates, cpu_vec_isa.invalid_vec_isa)
+    return isa if isa in candidates else None
 
 
 def _check_each(cpu_vec_isa) -> None:
@@ -64,6 +105,16 @@ def start(device: torch.device) -> None:
 
 
 def wait() -> None:
-    """Before inductor compiles: let a started probe finish."""
-    if _started is not None:
-        _started.join()
+    """Before inductor compiles: let a started probe finish; with the chosen ISA verified, inductor's list of valid
+    ISAs is made (and cached for the process) from the CPU's flags, without building the others."""
+    global _verified
+    if _started is None:
+        return
+    _started.join()
+    if _verified is not None:
+        from torch._inductor import config, cpu_vec_isa
+        verified, _verified = _verified, None
+        with config.patch({"cpp.vec_isa_ok": True}):  # here, in the compiling thread: no other reads it meanwhile
+            cpu_vec_isa.valid_vec_isa_list()
+        if cpu_vec_isa.pick_vec_isa() != verified:  # inductor would use one not built here (another pick rule)
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()  # so it checks them all itself, as without zcompile
