@@ -1,7 +1,5 @@
 """AOTAutograd's readable graph strings are made during zcompile's compile only when a log reads them
 (compiler/aot_graph_logs.py): off by default, on with TORCH_LOGS=aot_graphs (or a structured trace)."""
-import logging
-
 import torch
 
 from tests import workers
@@ -47,10 +45,16 @@ def test_wanted_follows_the_logs():
     finally:
         torch._logging.set_logs()
     assert not aot_graph_logs.wanted()
-    handler = logging.StreamHandler()  # what TORCH_TRACE adds, as a structured trace reader would
     from torch._logging import _internal
+    handler = _internal.LazyTraceHandler("/nonexistent/trace")  # what TORCH_TRACE=<dir> installs
     _internal.trace_log.addHandler(handler)
     try:
         assert aot_graph_logs.wanted()
     finally:
         _internal.trace_log.removeHandler(handler)
+    assert not aot_graph_logs.wanted()
+
+
+def test_torch_trace_set_counts_as_a_reader(monkeypatch):
+    monkeypatch.setenv("TORCH_TRACE", "/tmp/trace")
+    assert aot_graph_logs.wanted()

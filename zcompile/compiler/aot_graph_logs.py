@@ -20,10 +20,13 @@ def wanted() -> bool:
     from torch._functorch._aot_autograd import graph_compile
     from torch._logging import _internal
     logs = [getattr(graph_compile, name, None) for name in ("aot_graphs_log", "aot_joint_log")]
-    if any(log is None or log.isEnabledFor(logging.INFO) for log in logs) or os.getenv("MAST_HPC_JOB_NAME"):
+    if any(log is None or log.isEnabledFor(logging.INFO) for log in logs):
         return True
-    # torch always installs a LazyTraceHandler; without a directory (TORCH_TRACE unset) it writes nothing
-    return any(not isinstance(h, _internal.LazyTraceHandler) or h.root_dir is not None
+    if os.getenv("TORCH_TRACE") or os.getenv("MAST_HPC_JOB_NAME"):  # where torch's trace handler writes
+        return True
+    # torch always installs a LazyTraceHandler; without a directory (TORCH_TRACE unset) it writes nothing. Other
+    # handlers there do not count: under pytest on torch 2.11 its capture handlers sit on torch's trace log too
+    return any(isinstance(h, _internal.LazyTraceHandler) and h.root_dir is not None
                for h in _internal.trace_log.handlers)
 
 
