@@ -51,12 +51,7 @@ def _chosen(cpu_vec_isa, config):
     """The x86 ISA inductor's pick_vec_isa will take from its list, chosen from the CPU's flags alone (None: another
     platform, or none to pick)."""
     import os
-    import platform
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    flags = cpu_vec_isa.x86_isa_checker()
-    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                  if all(flag in flags for flag in str(isa).split())]
+    candidates = _candidates(cpu_vec_isa)
     if not candidates:
         return None
     if config.cpp.simdlen is not None:
@@ -73,17 +68,20 @@ def _check_each(cpu_vec_isa) -> None:
     and a child process (this VM: AMX, AVX512-VNNI, AVX512, AVX2; 8.9-9.7 s in a row, 5.0-5.1 s at once on 2 idle
     cores). Each check's result is cached on its ISA object, where valid_vec_isa_list reads it; anything missing
     here (another platform, another torch) leaves the checks to valid_vec_isa_list."""
-    import platform
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return
-    flags = cpu_vec_isa.x86_isa_checker()
-    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                  if all(flag in flags for flag in str(isa).split())]
-    threads = [threading.Thread(target=_check, args=(isa,), daemon=True) for isa in candidates]
+    threads = [threading.Thread(target=_check, args=(isa,), daemon=True) for isa in _candidates(cpu_vec_isa)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+
+
+def _candidates(cpu_vec_isa) -> list:
+    """The x86 ISAs of inductor's list whose flags this CPU has, in its order (none on another platform)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
 
 
 def _check(isa) -> None:

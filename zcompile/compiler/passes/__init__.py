@@ -47,7 +47,7 @@ def run_phase(phase: str, gm: fx.GraphModule, pctx,
             _lint(gm, [name])
             gm.recompile()
             on_pass(name, gm)
-    if ran:
+    if ran and on_pass is None:  # with on_pass, each pass's graph was linted already
         _lint(gm, ran)
     gm.recompile()
     return gm
