@@ -96,6 +96,50 @@ def test_repeated_blocks_compile_once_at_any_depth_and_match_the_model():
     assert {k: c for k, (_, c) in counts[4].items()} == {k: c for k, (_, c) in counts[8].items()}, counts
 
 
+class VocabNet(Net):
+    """Net with a language model's ending: a wide head and a cross-entropy over its logits."""
+
+    def __init__(self, depth: int, vocab: int, d: int = 16):
+        super().__init__(depth, d)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.out(x)
+        return nn.functional.cross_entropy(logits, torch.zeros(x.shape[0], dtype=torch.long))
+
+
+@pytest.mark.parametrize("vocab", [8, 4096])
+def test_the_loss_over_a_wide_head_is_compiled_and_small_ends_run_eagerly(vocab):
+    """Outside the blocks, a region is compiled when its elementwise temporaries outweigh EAGER_MAX_BLOCKS block
+    regions: the log-softmax over 4096 logits (each eager op a logits-sized temporary), forward and backward; a
+    narrow head, the input linear and its gradient run eagerly."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net, compiled, programs = VocabNet(4, vocab), [], {}
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            def compile_one(sub, fakes):
+                compiled.append((kind, sub))
+                return make_boxed_func(sub.forward)
+            programs[kind] = regions.compile_regions(gm, example_inputs, compile_one)
+            return programs[kind]
+        return compile_graph
+
+    from torch._inductor.decomposition import select_decomp_table  # as zcompile's inductor path decomposes
+    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                                                  decompositions=select_decomp_table()))
+    assert_matches_the_model(net, run, torch.randn(4, 16), atol=1e-6)
+    wide = vocab == 4096
+    for kind, p in programs.items():
+        assert p.compiled_regions == 4 + wide, (kind, p.compiled_regions)
+    exps = [kind for kind, sub in compiled if any(n.target is torch.ops.aten.exp.default for n in sub.graph.nodes)]
+    assert sorted(exps) == (["backward", "forward"] if wide else []), exps
+
+
 def test_a_dynamic_batch_compiles_the_same_regions_once_for_every_size():
     """A graph with a symbolic batch size (dynamo's automatic dynamic shapes after a size changes, or
     mark_dynamic) is cut and deduplicated as a static one, the size symbols crossing cuts like tensors; its

@@ -1,5 +1,6 @@
 """Regional inductor compile: a transformed graph is cut into one region per repeated module (a transformer block),
-each distinct block region is compiled once, and the rest runs eagerly.
+each distinct block region is compiled once, the head and loss over a real vocabulary are compiled once, and the
+rest runs eagerly.
 
 The passes schedule the whole model as one graph (prefetch and bucketing cross block boundaries), but inductor's
 code generation grows with graph size. A transformer's graph repeats block after block: the same ops on the same
@@ -7,7 +8,9 @@ shapes, fed by other parameters, with the collectives the passes placed among th
 graph of its own with canonical names, so identical regions print the same code; a block region is compiled the
 first time its (code, input layouts) appears and reused for every other occurrence. What lies outside the blocks
 (embeddings, the final norm, head and loss, the collectives' glue between blocks) runs as its FX code, once per
-step, as FSDP2 with a per-block torch.compile runs it. Block regions doing the same work share one compile whatever
+step, unless running it op by op would write many times a block's elementwise temporaries (`EAGER_MAX_BLOCKS`): the
+cross-entropy over a 50k vocabulary, decomposed, is a chain of logits-sized kernels, slower than all the blocks
+together on CPU and most of the step's memory on GPU; that region (and its backward) is compiled. Block regions doing the same work share one compile whatever
 each hands on to later regions. Cold compile then costs one block's forward and one block's backward at any depth
 (two backward where the blocks were inlined before AOTAutograd: its partitioner saves block 0's first norm
 differently).
@@ -308,8 +311,8 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
                     by_block: bool = True) -> RegionProgram | None:
     """Cut `gm` into regions (block_regions), compile each distinct block region with compile_one(region_gm, fakes)
     and return the program that runs them. The regions outside the blocks (embeddings, the final norm, head and
-    loss, gather issues) run eagerly, as FSDP2 + torch.compile of the blocks runs them: each is run once per step,
-    and compiling one costs as much as a block's region. Reports the whole graph's output strides to AOTAutograd,
+    loss, gather issues) run eagerly, each once per step (compiling one costs as much as a block's region), except
+    those heavy enough to compile (_compiled_regions: the loss over a real vocabulary). Reports the whole graph's output strides to AOTAutograd,
     as one compile would. None, compiling nothing, when the block regions do not repeat enough: fewer than
     `min_reuse` per distinct one (each compile has a fixed cost; on a shallow model one graph compiles faster).
     Without blocks (or `by_block` false) the graph is one region, compiled."""
@@ -333,14 +336,14 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     for x, r in last_reader.items():
         if x not in kept:
             frees.setdefault(r, []).append(slot[x])
-    compiled_here = holds_block if any(holds_block) else [True] * len(regions)
+    compiled_here = _compiled_regions(regions, holds_block, last_reader, kept)
     wanted = [[n for n in nodes if n in last_reader or n in kept] for nodes in regions]
     returned = _union_outputs(gm, regions, region_inputs, wanted, compiled_here, const)
     planned = []  # (key, nodes, inputs, outputs returned, compiled) per region
     for nodes, inputs, outputs, compiled in zip(regions, region_inputs, returned, compiled_here):
         key = (_region_key(gm, nodes, inputs, outputs, const), tuple(_layout(x.meta["val"]) for x in inputs))
         planned.append((key, nodes, inputs, outputs, compiled))
-    keys = [key for key, _, _, _, compiled in planned if compiled]
+    keys = [key for (key, _, _, _, compiled), block in zip(planned, holds_block) if compiled and block]
     if len(keys) < min_reuse * len(set(keys)):
         return None
     cache: dict[tuple, Callable] = {}  # compiled regions by key
@@ -365,7 +368,40 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     if tc is not None and tc.output_strides is not None:
         tc.output_strides.extend(tuple(o.meta["val"].stride()) if isinstance(o, fx.Node)
                                  and isinstance(o.meta.get("val"), torch.Tensor) else None for o in graph_outs)
-    return RegionProgram(steps, outputs, len(slot), len(regions), len(cache), len(keys))
+    return RegionProgram(steps, outputs, len(slot), len(regions), len(cache), sum(c for *_, c in planned))
+
+
+# A region outside the blocks is compiled when running it op by op writes more than this many times the
+# elementwise temporaries of the largest block region: the loss over a real vocabulary (a log-softmax as separate
+# sub, exp, sum, log kernels, each a logits-sized temporary: 40x a block in GPT-2's shape) is, the embeddings and
+# their gradient (1.4x) and the passes' glue are not, as each compile has a fixed cost (about 2 s of C++ on CPU).
+EAGER_MAX_BLOCKS = 4.0
+
+
+def _compiled_regions(regions: list, holds_block: list, handed_on: dict, kept: set) -> list[bool]:
+    """Which regions are compiled: every block region, and a region outside the blocks whose elementwise
+    temporaries outweigh EAGER_MAX_BLOCKS block regions (the head and loss over a real vocabulary). Without blocks
+    the graph is one region, compiled."""
+    if not any(holds_block):
+        return [True] * len(regions)
+    work = [_elementwise_temporaries(nodes, handed_on, kept) for nodes in regions]
+    block = max(w for w, b in zip(work, holds_block) if b)
+    return [b or w > EAGER_MAX_BLOCKS * block for w, b in zip(work, holds_block)]
+
+
+def _elementwise_temporaries(nodes: list[fx.Node], handed_on: dict, kept: set) -> int:
+    """Bytes of the pointwise results a region computes and drops: what its eager run writes that a compiled one
+    fuses away."""
+    total = 0
+    for n in nodes:
+        v = n.meta.get("val")
+        if (isinstance(v, torch.Tensor) and n not in handed_on and n not in kept
+                and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags):
+            numel = v.numel()
+            if isinstance(numel, torch.SymInt):  # a dynamic size: its example value, without adding a guard
+                numel = numel.node.hint or 0
+            total += numel * v.element_size()
+    return total
 
 
 def _union_outputs(gm: fx.GraphModule, regions: list, region_inputs: list, wanted: list, compiled: list,
