@@ -51,6 +51,28 @@ def test_bad_config_names_key_and_file(tmp_path, text, words):
         assert w in msg
 
 
+@pytest.mark.parametrize("key", ["dump", "nvme_path", "env"])
+def test_a_directory_that_cannot_be_made_or_written_names_key_path_and_reason(tmp_path, key, monkeypatch):
+    """dump, offload.nvme_path (and ZCOMPILE_DUMP_DIR) are checked when the config is read, as every other key;
+    a directory that can be made is made, and takes a file."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad = str(blocker / "dumps")  # under a regular file: cannot be created
+    text = {"dump": f"dump: {bad}\n", "env": "stage: 3\n",
+            "nvme_path": f"stage: 3\noffload: {{optimizer: nvme, nvme_path: {bad}}}\n"}[key]
+    if key == "env":
+        monkeypatch.setenv("ZCOMPILE_DUMP_DIR", bad)
+    path = write(tmp_path, text)
+    with pytest.raises(config.ConfigError) as e:
+        config.load(path)
+    named = {"dump": f"{path}: key 'dump'", "nvme_path": f"{path}: key 'offload.nvme_path'",
+             "env": "ZCOMPILE_DUMP_DIR"}[key]
+    assert named in str(e.value) and repr(bad) in str(e.value) and "Not a directory" in str(e.value), str(e.value)
+    fine = tmp_path / "new" / "dumps"
+    monkeypatch.delenv("ZCOMPILE_DUMP_DIR", raising=False)
+    assert config.load(write(tmp_path, f"dump: {fine}\n")).dump == str(fine) and fine.is_dir()
+
+
 def test_missing_file_and_bad_options(tmp_path):
     with pytest.raises(config.ConfigError, match="not found"):
         config.load(tmp_path / "nope.yaml")

@@ -30,6 +30,17 @@ def test_stages_match_reference(name, world):
             assert 1.0 <= report.ratio < 1.01, str(report)
 
 
+def test_a_0d_parameter_trains_at_every_stage():
+    """A 0-d parameter (a learned logit scale) is never a DTensor: at stage 1 the optimizer steps this rank's slice
+    of it (ShardedParam.enter_step), at stages 2/3 its shard; each stage matches the reference."""
+    ref_params, ref_losses = workers.reference("gpt_scaled", 2, steps=4)
+    assert ref_params["logit_scale"].dim() == 0 and ref_params["logit_scale"] != 1.5
+    for rank, res in enumerate(run_world(2, workers.parity, "gpt_scaled", [0, 1, 2, 3], steps=4)):
+        for stage in range(4):
+            assert max_diff(res[stage]["params"], ref_params) < TOL, f"stage {stage} rank {rank}"
+            assert res[stage]["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
+
+
 def test_stage3_shards_everything():
     """At stage 3 each rank holds 1/N of every parameter, gradient and moment (16P/N bytes)."""
     (res0, res1, res2, res3) = run_world(4, workers.parity, "gpt", [3], steps=1)

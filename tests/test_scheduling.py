@@ -87,3 +87,23 @@ def test_stage0_all_reduces_are_bucketed(tmp_path):
     # one coalesced all-reduce per block (2) and per run of other parameters (final norm; embeddings)
     assert re.search(r"== backward: 4 collectives", sched) and "all_reduce_coalesced" in sched
     assert "bucket 1 of 11 grads" in sched and "bucket 2 of 11 grads" in sched  # a block's 11 parameters
+
+
+@pytest.mark.parametrize("backend, bucket_mb, distance", [("eager", 0, 2), ("inductor", 0.02, 1)])
+def test_the_run_issues_each_gather_prefetch_ahead_of_its_wait(backend, bucket_mb, distance):
+    """The forward's real order of issues and waits (torch.profiler, compiled run): before the wait of gather k,
+    gathers up to k + prefetch are on the wire; with prefetch 0, exactly up to k. Values alone cannot show a late
+    issue (test_bucketing_and_prefetch_keep_parity)."""
+    for prefetch in (0, distance):
+        config = {"stage": 3, "backend": backend, "bucket_mb": bucket_mb, "prefetch": prefetch}
+        for order in run_world(2, workers.gather_issue_order, config):
+            issues = order.count("issue")
+            assert issues == order.count("wait") >= 4, order
+            issued, waited = 0, 0
+            for event in order:
+                if event == "issue":
+                    issued += 1
+                    continue
+                expected = min(waited + 1 + prefetch, issues)
+                assert issued >= expected if prefetch else issued == expected, (prefetch, waited, issued, order)
+                waited += 1

@@ -122,18 +122,32 @@ def gpt2_generate(rank: int | None, world: int, stage: int) -> list:
     return ids.tolist()
 
 
-def dcp_train(rank: int, world: int, stage: int, steps: int, start: int, save: str | None, load: str | None) -> dict:
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+              "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2)}
+
+
+def dcp_train(rank: int, world: int, stage: int, steps: int, start: int, save: str | None, load: str | None,
+              optimizer: str = "adamw", before: str | None = None) -> dict:
     """Train `steps` steps from `start` with torch.distributed.checkpoint: load a model + optimizer state first
-    (any world size or stage), save one at the end."""
+    (any world size or stage), save one at the end. `before` the load: nothing, a "forward" (which shards the
+    model; the optimizer still holds the plain parameters) or a whole "step" on other data."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model = build_model("gpt", seed=123 if load else 0)
     run = torch.compile(model, backend="zero", options={"config": {"stage": stage, "backend": "eager"}})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    if before is not None:
+        loss = loss_of(run, "gpt", rank_slice(_batch(99, world), rank, world))
+        if before == "step":
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
     if load:
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=load)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    loaded_steps = sorted({float(st["step"]) for st in opt.state.values() if "step" in st})
     losses = []
     for step in range(start, start + steps):
         loss = loss_of(run, "gpt", rank_slice(_batch(step, world), rank, world))
@@ -146,7 +160,18 @@ def dcp_train(rank: int, world: int, stage: int, steps: int, start: int, save: s
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {"params": {n: _full(p) for n, p in model.named_parameters()}, "full": full}
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}, "full": full, "losses": losses,
+            "loaded_steps": loaded_steps}
+
+
+def dcp_runs(rank: int, world: int, runs: list) -> list:
+    """dcp_train for each (stage, steps, start, save, load, optimizer, before) in one process group, each on a
+    fresh dynamo."""
+    out = []
+    for args in runs:
+        workers.reset_dynamo()
+        out.append(dcp_train(rank, world, *args))
+    return out
 
 
 def stale_reference(rank: int, world: int) -> dict:

@@ -35,6 +35,8 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
         return BreakingGPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
     if name == "gpt_loop_break":
         return LoopBreakGPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    if name == "gpt_scaled":  # a learned 0-d temperature: the path of parameters that are never DTensors
+        return ScaledGPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=64))
     if name == "gpt3":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=3, n_head=4, n_embd=64))
     if name == "wide_mlp":
@@ -272,6 +274,20 @@ def schedule_and_losses(rank: int, world: int, directory: str, config: dict) -> 
     m = re.search(r"== forward: \d+ collectives, .*\((\d+) bytes\)", sched)
     code = open(sorted(glob.glob(f"{directory}/rank{rank}/graph0_forward_*_shard_params.py"))[0]).read()
     return {"losses": losses, "forward_bytes": int(m.group(1)), "forward_code": code}
+
+
+class ScaledGPT(GPT):
+    """The small GPT with a learned 0-d logit scale."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, idx, targets=None):
+        out = super().forward(idx)
+        logits = out.logits * self.logit_scale
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return GPTOutput(logits, loss)
 
 
 class LoopBreakGPT(GPT):
@@ -631,3 +647,16 @@ def cached_launch(rank: int, world: int, cases: list, steps: int, cache_dirs: li
                     "params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()},
                     "aot": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}})
     return out
+
+
+def gather_issue_order(rank: int, world: int, config: dict) -> list[str]:
+    """The order in which a compiled forward really issues and waits on its all-gathers ("issue" / "wait"), from
+    torch.profiler's record of the functional collective ops during a forward after one training step."""
+    from torch.profiler import ProfilerActivity, profile
+    model, _, _ = train(rank, world, "gpt", config, 1)
+    x = rank_slice(global_batch(5, world), rank, world)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_of(model, "gpt", x)
+    names = {"_c10d_functional::all_gather_into_tensor_out": "issue", "_c10d_functional::wait_tensor": "wait"}
+    events = sorted((e for e in prof.events() if e.name in names), key=lambda e: e.time_range.start)
+    return [names[e.name] for e in events]

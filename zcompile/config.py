@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import math
 import os
+import tempfile
 from typing import Any
 
 import torch
@@ -85,8 +86,9 @@ SCHEMA: dict[str, Any] = {
     "backend": Key((str,), "inductor", "graph compiler: 'inductor' (Triton on GPU, C++ on CPU) or 'eager' (FX code "
                    "as-is)", choices=("inductor", "eager")),
     "regional_compile": Key((str, bool), "auto", "inductor: cut each graph into one region per block (an item of "
-                            "a ModuleList), compile every distinct block region once and run the rest (embeddings, "
-                            "head, loss, collective glue) eagerly, so compile time stays flat in depth; 'auto': "
+                            "a ModuleList), compile every distinct block region once and the head and loss where "
+                            "they outweigh 4 blocks (a real vocabulary), and run the rest (embeddings, collective "
+                            "glue) eagerly, so compile time stays flat in depth; 'auto': "
                             "only where block regions repeat (at least twice as many as distinct ones), else one "
                             "graph; false: always one inductor graph per forward/backward",
                             choices=("auto", True, False)),
@@ -443,6 +445,11 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                  quantize_gradients=qg, hpz_partition_size=v["hpz_partition_size"],
                  ranks_per_node=v["ranks_per_node"], offload=offload, tiling=tiling, nonfinite=v["nonfinite"],
                  source=where)
+    if cfg.dump_dir:
+        _check_writable_dir(cfg.dump_dir, "ZCOMPILE_DUMP_DIR" if os.environ.get("ZCOMPILE_DUMP_DIR") else
+                            f"{where}: key 'dump'")
+    if offload.nvme_path:
+        _check_writable_dir(offload.nvme_path, f"{where}: key 'offload.nvme_path'")
     given = {name for name, _ in _set_away_from_default(v)}
     for pass_name, contract in CONTRACTS.items():
         key = contract.enabled_by
@@ -453,6 +460,18 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     except ValueError as e:
         raise ConfigError(f"{where}: key 'pipeline': {e}") from None
     return cfg
+
+
+def _check_writable_dir(path: str, what: str) -> None:
+    """A directory zcompile will write into (dumps, NVMe files) exists or can be made, and takes a file: found here,
+    with the config's other errors, rather than at the first compile or offloaded step."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".zcompile-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{what} is {path!r}, which cannot be created or written: {e.strerror or e}") from None
 
 
 class _StrictLoader(yaml.SafeLoader):

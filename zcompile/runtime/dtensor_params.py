@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from zcompile.runtime import dist_context, foreach_sharding_prop, shard_store
+from zcompile.runtime import dcp_optimizers, dist_context, foreach_sharding_prop, shard_store
 from zcompile.errors import ZCompileError, ZeroError
 from zcompile.config import Stage, Tier
 
@@ -175,6 +175,7 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     """Replace every eligible parameter of `root` (and its submodules, tied ones once) by its DTensor; `register`
     maps a plain parameter to its ShardedParam. Returns how many were replaced."""
     foreach_sharding_prop.install()  # the optimizer's first foreach step over the DTensors
+    dcp_optimizers.install()  # get_state_dict / set_state_dict before an optimizer's first step
     done: dict[int, nn.Parameter] = {}
     for path, module in root.named_modules():
         names = []
