@@ -97,6 +97,12 @@ def test_dcp_resume_after_a_forward_or_a_step_restores_the_optimizer(tmp_path):
                 torch.testing.assert_close(res["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"{where}: {name}")
 
 
+def test_torch_state_dict_of_an_offloaded_optimizer_is_an_error_not_an_empty_state():
+    """Host masters are not the module's parameters: torch's API would drop their state silently."""
+    for err in run_world(2, user_workers.dcp_state_of_offloaded_optimizer):
+        assert err.startswith("CheckpointError") and "zcompile.save_checkpoint" in err, err
+
+
 def test_reference_taken_before_first_forward_fails_loudly():
     for out in run_world(2, user_workers.stale_reference):
         assert out["stale_read"] != out["stale_read"]  # NaN

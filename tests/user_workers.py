@@ -174,6 +174,22 @@ def dcp_runs(rank: int, world: int, runs: list) -> list:
     return out
 
 
+def dcp_state_of_offloaded_optimizer(rank: int, world: int) -> str:
+    """torch's get_state_dict on a model whose optimizer steps host masters (offload.optimizer): the error."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = build_model("gpt")
+    run = torch.compile(model, backend="zero", options={"config": {"stage": 3, "backend": "eager",
+                                                                   "offload": {"optimizer": "cpu"}}})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_of(run, "gpt", rank_slice(_batch(0, world), rank, world)).backward()
+    opt.step()
+    try:
+        get_state_dict(model, opt)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def stale_reference(rank: int, world: int) -> dict:
     """A parameter list taken before the first forward holds the plain parameters zcompile replaced: toggling one
     fails at the next forward with a clear error, and reading one gives NaN, never stale or freed memory. After

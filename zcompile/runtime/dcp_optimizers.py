@@ -37,9 +37,28 @@ def _adopting_first(verify):
     def _verify_options(model, optims, *args, **kwargs):
         for optim in optims:
             adopt_optimizer(optim)
+            _check_nameable(model, optim)
             _init_state_under_gradients(optim)
         return verify(model, optims, *args, **kwargs)
     return _verify_options
+
+
+def _check_nameable(model, optim) -> None:
+    """The optimizer steps tensors zcompile keeps in place of the module's parameters (host masters of an offloaded
+    optimizer, the flat shards of tiled or NVMe parameters): torch would name none of them and silently hand out,
+    or load, no state for them."""
+    from zcompile.errors import CheckpointError
+    from zcompile.runtime.shard_store import owner
+    params = {id(p) for p in model.parameters()}
+    held = [zp for g in optim.param_groups for p in g["params"]
+            if id(p) not in params and (zp := owner(p)) is not None]
+    if held:
+        names = ", ".join(zp.name or str(list(zp.shape)) for zp in held[:3])
+        raise CheckpointError(
+            f"the optimizer steps {len(held)} tensor(s) zcompile keeps in place of module parameters ({names}"
+            f"{', ...' if len(held) > 3 else ''}: host masters of offload.optimizer, or tiled / NVMe shards); "
+            "torch.distributed.checkpoint's state-dict API cannot name them and would hand out or load no state "
+            "for them. Use zcompile.save_checkpoint / zcompile.load_checkpoint, which saves them per rank")
 
 
 def _init_state_under_gradients(optim) -> None:
