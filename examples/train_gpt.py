@@ -49,7 +49,7 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[float]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "configs", "zero3.yaml"))
     ap.add_argument("--steps", type=int, default=30)
@@ -63,9 +63,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--save", default=None, help="directory for a checkpoint at the end (zcompile.save_checkpoint)")
     ap.add_argument("--json", default=None, help="write the summary here (rank 0)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     cfg = zcompile.config.load(args.config)  # fail fast on a bad config, before any process group work
+    started_here = not dist.is_initialized()  # else the caller's group (tests/test_examples.py), left to it
     ctx = zcompile.init_distributed("nccl" if args.device == "cuda" else "gloo", config=cfg)
     device = ctx.device
     torch.manual_seed(0)
@@ -115,7 +116,9 @@ def main() -> None:
                 json.dump({"losses": losses, "step_s": times, "stage": cfg.stage, "world": ctx.world}, f)
     if args.save:
         zcompile.save_checkpoint(args.save, model, opt, extra={"step": args.steps})
-    dist.destroy_process_group()
+    if started_here:
+        dist.destroy_process_group()
+    return losses
 
 
 if __name__ == "__main__":

@@ -123,3 +123,9 @@ def test_no_process_group_is_a_clear_error():
     compiled = torch.compile(torch.nn.Linear(4, 4), backend="zero", options={"config": {"stage": 3}})
     with pytest.raises(Exception, match="init_distributed"):
         compiled(torch.randn(2, 4))
+
+
+def test_hpz_partition_size_is_a_count_or_node():
+    assert config.from_dict({"hpz_partition_size": "node"}).hpz_partition_size == "node"
+    with pytest.raises(config.ConfigError, match="'hpz_partition_size' must be a rank count or 'node'"):
+        config.from_dict({"hpz_partition_size": "auto"})

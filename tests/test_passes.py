@@ -3,6 +3,7 @@
 Parameters live on the meta device and the DistContext has no process group (world 2 unless said, rank 0), so
 nothing runs or communicates. End-to-end parity of the same passes is in test_parity and friends.
 """
+import dataclasses
 import operator
 
 import pytest
@@ -12,8 +13,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.pass_graphs import call, context, node, ops, records, trace
 from zcompile.compiler import collectives
-from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_params,
-                                      prefetch, quantize_gradients, quantize_weights, reduce_grads,
+from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_grads,
+                                      offload_params, prefetch, quantize_gradients, quantize_weights, reduce_grads,
                                       secondary_partition, shard_params, tag_param_recompute, tile_linears)
 
 GATHER = ["new_empty", "all_gather_into_tensor_out", "wait_tensor"]
@@ -149,15 +150,17 @@ def test_offload_params_reloads_host_shards_right_before_their_gather():
     assert call(gm, "new_empty").args[0] is call(gm, "to_device")
 
 
-def test_secondary_partition_keeps_a_block_copy_and_regathers_within_the_block():
-    cfg = {"stage": 3, "hpz_partition_size": 2}
-    fw_ctx = context(cfg, "forward", {0: (8, 4)}, 2, world=4, rank=1)
+@pytest.mark.parametrize("size", [2, "node"])
+def test_secondary_partition_keeps_a_block_copy_and_regathers_within_the_block(size):
+    """hpZ over 2 ranks, given as a number or as the node's ranks (2 per node)."""
+    cfg = {"stage": 3, "hpz_partition_size": size}
+    fw_ctx = context(cfg, "forward", {0: (8, 4)}, 2, world=4, rank=1, ranks_per_node=2)
     fw = secondary_partition.run(shard_params.run(trace(_linear_fw, (8, 4), (3, 4)), fw_ctx), fw_ctx)
     assert ops(fw) == GATHER + ["slice", "copy_", "view", "t", "mm"]
     zp = fw_ctx.params[0]
     assert zp.secondary_numel == 16 and call(fw, "slice").args[1:] == (0, 16, 32)  # rank 1: block position 1
     assert [s.kind for s in fw_ctx.side_inputs] == ["secondary"]
-    bw_ctx = context(cfg, "backward", {0: (8, 4)}, 1, world=4, rank=1)
+    bw_ctx = context(cfg, "backward", {0: (8, 4)}, 1, world=4, rank=1, ranks_per_node=2)
     bw_ctx.params[0] = zp  # the backward of the same parameter
     bw = trace(lambda primals_1, tangents_1: torch.mm(tangents_1, primals_1), (8, 4), (3, 8))
     bw = secondary_partition.run(shard_params.run(bw, bw_ctx), bw_ctx)
@@ -336,6 +339,24 @@ def test_offload_grads_moves_the_reduced_shard_not_the_full_gradient():
         wait = piece.args[0]
         assert collectives.is_op(wait.args[0], "reduce_scatter")  # the scatter's output, not its input
     assert ops(gm).count("to_host") == 2
+
+
+def test_offload_grads_alone_copies_host_parameters_gradients_and_leaves_the_rest():
+    """Run alone on a backward graph: each gradient of a host-resident parameter becomes a `zcompile::to_host` copy
+    as the graph's output; a device-resident parameter's gradient, a non-parameter output, a forward graph and a
+    CPU job (where the shard already is on the host) are left as they are."""
+    cfg = {"stage": 3, "offload": {"params": "cpu", "optimizer": "cpu"}}
+    pctx = context(cfg, "backward", {0: (6, 4), 1: (6, 6)}, 3)
+    pctx.params[1].param_tier = pctx.params[1].param_tier.DEVICE  # this one stays on the device
+    gm = offload_grads.run(_bw_graph(), pctx)
+    out = list(gm.graph.output_node().args[0])
+    assert out[0].target is torch.ops.zcompile.to_host.default and out[0].args[0].target is torch.ops.aten.mm.default
+    assert out[1].target is torch.ops.aten.mm.default and out[2] is None
+    assert ops(gm).count("to_host") == 1 and any("1 gradient shard(s)" in n for n in gm.meta["zc_notes"])
+    for kind, device in (("forward", "meta"), ("backward", "cpu")):
+        other = context(cfg, kind, {0: (6, 4), 1: (6, 6)}, 3)
+        other.dist = dataclasses.replace(other.dist, device=torch.device(device))
+        assert "to_host" not in ops(offload_grads.run(_bw_graph(), other)), (kind, device)
 
 
 def test_a_phase_whose_pass_breaks_the_graph_fails_naming_the_passes(monkeypatch):

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from zcompile.errors import ConfigError  # noqa: F401  (re-exported: zcompile.config.ConfigError)
-from zcompile.compiler.pass_contracts import CONTRACTS, DEFAULT_PIPELINE, check_pipeline
+from zcompile.pass_contracts import CONTRACTS, DEFAULT_PIPELINE, check_pipeline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -135,8 +135,9 @@ SCHEMA: dict[str, Any] = {
         "block": Key((int,), 512, "qgZ: elements per quantization block (even), each with its own fp32 scale",
                      positive=True, multiple=2),
     }, "ZeRO++ qgZ: int4 hierarchical gradient reduction", optional=True, stages=(2, 3)),
-    "hpz_partition_size": Key((int,), 1, "hpZ: backward re-gathers from a secondary copy partitioned over this many "
-                              "consecutive ranks (ideally ranks_per_node); 1: off", min=1, stages=(3,)),
+    "hpz_partition_size": Key((int, str), 1, "hpZ: backward re-gathers from a secondary copy partitioned over this "
+                              "many consecutive ranks; 'node': the ranks per node (ranks_per_node, else torchrun's "
+                              "LOCAL_WORLD_SIZE); 1: off", min=1, stages=(3,)),
     "ranks_per_node": Key((int, _NONE), None, "ranks per node, for intra/cross-node accounting (default: torchrun's "
                           "LOCAL_WORLD_SIZE)", positive=True),
     "offload": Section({
@@ -245,7 +246,7 @@ class Config:
     persist_threshold: str | int = SCHEMA["persist_threshold"].default
     quantize_weights: QuantizeWeights | None = None  # ZeRO++ qwZ
     quantize_gradients: QuantizeGradients | None = None  # ZeRO++ qgZ
-    hpz_partition_size: int = SCHEMA["hpz_partition_size"].default
+    hpz_partition_size: int | str = SCHEMA["hpz_partition_size"].default  # or "node"
     ranks_per_node: int | None = SCHEMA["ranks_per_node"].default
     offload: Offload = Offload()
     tiling: Tiling | None = None
@@ -426,6 +427,9 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                           "only loses accuracy")
     offload = _tiers(Offload(**v["offload"]))
     _check_offload(offload, where)
+    if isinstance(v["hpz_partition_size"], str) and v["hpz_partition_size"] != "node":
+        raise ConfigError(f"{where}: key 'hpz_partition_size' must be a rank count or 'node' (the ranks per node), "
+                          f"got {v['hpz_partition_size']!r}")
     pipeline = v["pipeline"]
     if pipeline is not None:
         if not all(isinstance(p, str) for p in pipeline):

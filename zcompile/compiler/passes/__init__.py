@@ -1,5 +1,5 @@
 """Graph passes, one per file. Each is `run(gm, pctx) -> gm` over one phase of the compile; what it needs and gives
-is its contract in `zcompile.compiler.pass_contracts` (checked when the config is read, and after each pass here).
+is its contract in `zcompile.pass_contracts` (checked when the config is read, and after each pass here).
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable
 import torch.fx as fx
 
 from zcompile.compiler import collectives
-from zcompile.compiler.pass_contracts import CONTRACTS, written_fields
+from zcompile.pass_contracts import CONTRACTS, written_fields
 from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_grads,
                                       offload_params, prefetch, quantize_gradients, quantize_weights, reduce_grads,
                                       secondary_partition, shard_params, tag_param_recompute, tile_linears)

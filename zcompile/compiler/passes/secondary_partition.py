@@ -61,6 +61,8 @@ def _regather_from_secondary(gm: fx.GraphModule, ag: fx.Node, zp, group, pctx) -
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     size = pctx.cfg.hpz_partition_size
+    if size == "node":
+        size = pctx.topology.ranks_per_node
     if size <= 1 or pctx.kind not in ("forward", "backward"):
         return gm
     if pctx.dist.world % size:
