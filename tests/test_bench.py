@@ -88,25 +88,6 @@ def test_compile_time_reads_cpp_and_triton_kernels_from_generated_code():
     assert _compile_time_bench().kernel_sources(code) == ["\n" + cpp, triton]
 
 
-def test_step_profile_reports_each_system():
-    cmd = [sys.executable, "bench/step_profile.py", "--device", "cpu", "--size", "small", "--micro", "1", "--seq", "16",
-           "--systems", "zcompile_z3", "--warmup", "1", "--steps", "1", "--profiled", "1", "--rows", "3"]
-    out = subprocess.run(cmd, check=True, timeout=600, capture_output=True, text=True).stdout
-    assert "### zcompile_z3: top ops by self CPU time" in out
-    row = next(line for line in out.splitlines() if line.startswith("| zcompile_z3 |")).split("|")
-    assert float(row[2]) > 0 and float(row[3]) > 100  # median step (ms), CPU ops per step
-
-
-def test_first_step_split_parts_add_up():
-    cmd = [sys.executable, "bench/first_step_split.py", "--layers", "2", "--backend", "eager"]
-    out = subprocess.run(cmd, check=True, timeout=600, capture_output=True, text=True).stdout
-    row = next(line for line in out.splitlines() if line.startswith("| 2 |")).split("|")
-    total, rest, backend, backward, collector = (float(row[k]) for k in range(2, 7))
-    assert backend > 0 and rest > 0 and backward > 0 and collector >= 0
-    assert abs(total - (rest + backend + backward)) < 0.02  # the parts are the whole (rounding)
-    assert float(row[9]) > 0  # the compiled forward's guard check, timed
-
-
 def test_compile_time_counts_the_torch_compile_calls():
     """torch.compile(model) with inductor imports inductor's compiler at the call, where the zero backend imports it
     in the first step: bench/compile_time.py counts the calls' seconds in the compile time of every system."""
