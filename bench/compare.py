@@ -132,8 +132,9 @@ def _plain_step(model, opt, params_fn):
 
 
 # _DTENSOR_FOREACH: on CPU torch's optimizers default to the per-parameter loop, where each op on a DTensor pays
-# DTensor's dispatch: `python bench/optimizer_step.py` (2026-11-24): AdamW.step over the GPT's 48 parameters, world
-# 2, 10.1 ms on DTensors vs 4.7 ms on plain tensors with the default; 4.9 vs 5.3 ms with foreach=True. So FSDP2 and
+# DTensor's dispatch (2026-11-24, a probe since removed: bench/results/compile-time-log.md): AdamW.step over the GPT's
+# 48 parameters, world 2, 10.1 ms on DTensors vs 4.7 ms on plain tensors with the default; 4.9 vs 5.3 ms with
+# foreach=True. So FSDP2 and
 # zcompile (DTensor parameters) step with foreach=True and DDP keeps the default. On CUDA torch defaults to foreach.
 
 

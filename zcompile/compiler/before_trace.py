@@ -2,7 +2,7 @@
 
 - **Shard the frame's modules.** Otherwise dynamo's first trace of a model runs over its plain parameters; the
   backend then shards them and restarts dynamo (backend._ParametersSharded), throwing that whole trace away (2.2 s
-  of a 32-layer compile, docs/compile-time.md). The modules the frame receives (the module of
+  of a 32-layer compile, bench/results/compile-time-log.md). The modules the frame receives (the module of
   torch.compile(model), module arguments of a compiled function, a deep copy of a sharded model) are sharded as
   the backend would shard them after the trace (dtensor_params.shard_model), so the first trace reads the
   DTensors.

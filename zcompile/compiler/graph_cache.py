@@ -1,5 +1,5 @@
 """A job's final graphs and decisions kept in AOTAutograd's cache, so the next launch skips the joint trace and the
-passes (`compile_cache`, docs/compile-time.md "Warm launches load the transformed graphs").
+passes (`compile_cache`, bench/results/compile-time-log.md "Warm launches load the transformed graphs").
 
 zcompile's forward and backward compilers return a `ZeroGraphCode`, an inductor OutputCode that AOTAutograd's
 cache stores whole (its "bundled" mode, as `regional_inductor`'s RegionalOutputCode): the final graph pickled with

@@ -3,7 +3,7 @@
 Before its first C++ kernel, inductor finds the CPU's vector ISA (`cpu_vec_isa.valid_vec_isa_list`): it builds a
 test library with g++ for each candidate ISA the CPU's flags allow and loads each in a child Python, once per
 process, each build compiling ATen's vector headers (on the benchmark VM 2.7, 2.3, 1.9 and 1.6 s of CPU for AMX,
-AVX512-VNNI, AVX512 and AVX2: 8.5 s per cold cache, on 2 cores; docs/compile-time.md). It uses one of them: the
+AVX512-VNNI, AVX512 and AVX2: 8.5 s per cold cache, on 2 cores; bench/results/compile-time-log.md). It uses one of them: the
 first in that list (or the one ATEN_CPU_CAPABILITY / cpp.simdlen names, `_chosen`). So the warmup checks only that
 one (`_probe`); once it builds and loads, the first inductor compile (`wait`) fills inductor's list from the CPU's
 flags without building the others (`cpp.vec_isa_ok` for that one call): x86 ISAs nest, so a compiler and OS that
