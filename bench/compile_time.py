@@ -127,9 +127,9 @@ def kernel_sources(code: str) -> list[str]:
 def kernels_built(cache_dir: str) -> dict:
     """Kernels in the inductor graphs a launch wrote to `cache_dir` (its FX graph cache, one entry per graph key):
     how many the graphs define (each graph's own, summed: a kernel may run more than once in its graph) and how
-    many distinct sources among them. Each distinct C++ kernel is one g++ build
-    (1.1-1.6 s each on the 2-core VM, whatever its size: bench/results/compile-time-log.md), so on CPU the distinct count sets
-    most of a cold compile."""
+    many distinct sources among them. Each distinct C++ kernel is one g++ build (1.1-1.6 s each on the 2-core VM,
+    whatever its size: bench/results/compile-time-log.md), so on CPU the distinct count sets most of a cold
+    compile."""
     defined, distinct = 0, set()
     for key in glob.glob(os.path.join(cache_dir, "fxgraph", "*", "*")):  # one entry per key: ranks write the same
         try:

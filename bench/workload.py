@@ -15,9 +15,10 @@ rewritten as each finishes, so a killed run keeps what finished):
                        torch.compile(model)
   zcompile_z3          torch.compile(model, backend="zero") with the default config (+ bf16 param_dtype on GPU)
   zcompile_z3_offload  the same with `offload: {optimizer: cpu}` and zcompile.CPUAdam
-Every system compiles cold (an inductor cache directory of its own) unless --warm. Reported per system: median step (steps after --warmup), tokens/s (all ranks), peak memory (CUDA:
-max_memory_allocated over the timed steps; CPU: zcompile.step_tensor_peak, live storages at a step's start plus the
-allocator's highest rise in it), first step (compile included), final loss. The device is named in the header.
+Every system compiles cold (an inductor cache directory of its own) unless --warm. Reported per system: median step
+(steps after --warmup), tokens/s (all ranks), peak memory (CUDA: max_memory_allocated over the timed steps; CPU:
+zcompile.step_tensor_peak, live storages at a step's start plus the allocator's highest rise in it), first step
+(compile included), final loss. The device is named in the header.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def make_optimizer(inner, params, device, cpu_adam: bool):
                              **(dict(fused=True) if device.type == "cuda" else dict(foreach=True)))
 
 
-# ---------------------------------------------------------------- systems: each returns (run module, optimizer, autocast)
+# ---------------------------------------------------------------- systems: (run module, optimizer, autocast)
 def setup_torch_compile(model, world, device, bf16):
     return torch.compile(model), make_optimizer(model, model.parameters(), device, False), bf16
 
@@ -224,8 +225,9 @@ def markdown(rows: list[dict], args) -> str:
             out.append(f"| {r['system']} | failed after {r['wall_s']:.0f} s: {r['error'][:160]} |")
             continue
         ratio = f"{r['median_step_s'] / base['median_step_s']:.2f}x" if base else "n/a"
+        peak = r["peak_bytes_max"] / 2**(30 if gib else 20)
         out.append(f"| {r['system']} | {r['median_step_s'] * 1e3:.1f} | {ratio} | {r['tokens_per_s']:,.0f} | "
-                   f"{r['peak_bytes_max'] / 2**(30 if gib else 20):.2f} | {r['first_step_s']:.1f} | {r['final_loss']:.4f} |")
+                   f"{peak:.2f} | {r['first_step_s']:.1f} | {r['final_loss']:.4f} |")
     return "\n".join(out) + "\n"
 
 

@@ -1,8 +1,8 @@
 """AOTAutograd prints its graphs as readable code (strides, devices) for its logs and cache entries whether or not a
 log is on: the joint graph, then the partitioned forward and backward (`_log_fw_bw_graphs`, `print_readable` on
-each), or an inference graph. zcompile's are the whole model's (bench/results/compile-time-log.md: with the passes' lint once
-per phase, 24.0-24.5 -> 21.9-22.7 s of a 32-layer GPT's cold compile on the 2-core VM). `aot_module_simplified`
-has no switch for it (its AOTConfig's `enable_log` is always on), so during zcompile's own AOTAutograd call
+each), or an inference graph. zcompile's are the whole model's (bench/results/compile-time-log.md: with the
+passes' lint once per phase, 24.0-24.5 -> 21.9-22.7 s of a 32-layer GPT's cold compile on the 2-core VM).
+`aot_module_simplified` has no switch for it (its AOTConfig's `enable_log` is always on), so during zcompile's own AOTAutograd call
 `quiet()` makes those functions return what they return with logging off, unless the `aot_graphs` log
 (TORCH_LOGS=aot_graphs) or a structured trace (TORCH_TRACE, for tlparse) would read the strings. A cache entry then
 holds no graph strings (tlparse of a warm launch shows none).

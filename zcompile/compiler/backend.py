@@ -471,7 +471,8 @@ def collector_paused():
     """Python's cyclic garbage collector off while a graph compiles, back on (if it was on) after. A compile builds
     hundreds of thousands of long-lived objects (FX nodes, fake tensors, sympy expressions), so each full
     collection during it rescans them all and their number grows with depth: at 32 layers five full collections
-    cost ~1.1 s of the first step (bench/results/compile-time-log.md). The compile's cyclic garbage is collected after."""
+    cost ~1.1 s of the first step (bench/results/compile-time-log.md). The compile's cyclic garbage is collected
+    after."""
     if not gc.isenabled():
         yield
         return

@@ -37,8 +37,8 @@ def operands(call: fx.Node) -> tuple:
 
 # keep_block_regions 'auto': kept where a block repeats at least this often. Each distinct block's joint trace and
 # partition is cheaper kept, but the inlined forward is propagated once more and the partitions differ a little
-# (bench/results/compile-time-log.md: at 8 layers kept compiled 1.1-2.0 s faster cold in 3 of 3 runs on 2026-11-26 evening, at
-# 4 the same; the suite's 2-4 layer models stay inlined).
+# (bench/results/compile-time-log.md: at 8 layers kept compiled 1.1-2.0 s faster cold in 3 of 3 runs on
+# 2026-11-26 evening, at 4 the same; the suite's 2-4 layer models stay inlined).
 AUTO_MIN_CALLS = 8
 
 

@@ -2,18 +2,18 @@
 each distinct block region is compiled once, the head and loss over a real vocabulary are compiled once, and the
 rest runs eagerly.
 
-The passes schedule the whole model as one graph (prefetch and bucketing cross block boundaries), but inductor's
-code generation grows with graph size. A transformer's graph repeats block after block: the same ops on the same
-shapes, fed by other parameters, with the collectives the passes placed among them. Each region is rebuilt as a
-graph of its own with canonical names, so identical regions print the same code; a block region is compiled the
-first time its (code, input layouts) appears and reused for every other occurrence. What lies outside the blocks
-(embeddings, the final norm, head and loss, the collectives' glue between blocks) runs as its FX code, once per
-step, unless running it op by op would write many times a block's elementwise temporaries (`EAGER_MAX_BLOCKS`): the
-cross-entropy over a 50k vocabulary, decomposed, is a chain of logits-sized kernels, slower than all the blocks
-together on CPU and most of the step's memory on GPU; that region (and its backward) is compiled. Block regions doing the same work share one compile whatever
-each hands on to later regions. Cold compile then costs one block's forward and one block's backward at any depth
-(two backward where the blocks were inlined before AOTAutograd: its partitioner saves block 0's first norm
-differently).
+The passes schedule the whole model as one graph (prefetch and bucketing cross block boundaries), but inductor's code
+generation grows with graph size. A transformer's graph repeats block after block: the same ops on the same shapes,
+fed by other parameters, with the collectives the passes placed among them. Each region is rebuilt as a graph of its
+own with canonical names, so identical regions print the same code; a block region is compiled the first time its
+(code, input layouts) appears and reused for every other occurrence. What lies outside the blocks (embeddings, the
+final norm, head and loss, the collectives' glue between blocks) runs as its FX code, once per step, unless running
+it op by op would write many times a block's elementwise temporaries (`EAGER_MAX_BLOCKS`): the cross-entropy over a
+50k vocabulary, decomposed, is a chain of logits-sized kernels, slower than all the blocks together on CPU and most
+of the step's memory on GPU; that region (and its backward) is compiled. Block regions doing the same work share one
+compile whatever each hands on to later regions. Cold compile then costs one block's forward and one block's backward
+at any depth (two backward where the blocks were inlined before AOTAutograd: its partitioner saves block 0's first
+norm differently).
 
 The regions run in order from a flat list of slots; a value is dropped after its last use, as in one graph.
 """
@@ -309,13 +309,13 @@ class RegionProgram:
 
 def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable, min_reuse: float = 0.0,
                     by_block: bool = True) -> RegionProgram | None:
-    """Cut `gm` into regions (block_regions), compile each distinct block region with compile_one(region_gm, fakes)
-    and return the program that runs them. The regions outside the blocks (embeddings, the final norm, head and
-    loss, gather issues) run eagerly, each once per step (compiling one costs as much as a block's region), except
-    those heavy enough to compile (_compiled_regions: the loss over a real vocabulary). Reports the whole graph's output strides to AOTAutograd,
-    as one compile would. None, compiling nothing, when the block regions do not repeat enough: fewer than
-    `min_reuse` per distinct one (each compile has a fixed cost; on a shallow model one graph compiles faster).
-    Without blocks (or `by_block` false) the graph is one region, compiled."""
+    """Cut `gm` into regions (block_regions), compile each distinct block region with compile_one(region_gm, fakes) and
+    return the program that runs them. The regions outside the blocks (embeddings, the final norm, head and loss,
+    gather issues) run eagerly, each once per step (compiling one costs as much as a block's region), except those
+    heavy enough to compile (_compiled_regions: the loss over a real vocabulary). Reports the whole graph's output
+    strides to AOTAutograd, as one compile would. None, compiling nothing, when the block regions do not repeat
+    enough: fewer than `min_reuse` per distinct one (each compile has a fixed cost; on a shallow model one graph
+    compiles faster). Without blocks (or `by_block` false) the graph is one region, compiled."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     slot = {n: k for k, n in enumerate(phs)}
     regions, holds_block = block_regions(gm.graph, by_block)

@@ -1,11 +1,11 @@
 """Start inductor's one-time host setup in the background when the zero backend is first entered.
 
-Before its first C++ kernel, inductor finds the CPU's vector ISA (`cpu_vec_isa.valid_vec_isa_list`): it builds a
-test library with g++ for each candidate ISA the CPU's flags allow and loads each in a child Python, once per
-process, each build compiling ATen's vector headers (on the benchmark VM 2.7, 2.3, 1.9 and 1.6 s of CPU for AMX,
-AVX512-VNNI, AVX512 and AVX2: 8.5 s per cold cache, on 2 cores; bench/results/compile-time-log.md). It uses one of them: the
-first in that list (or the one ATEN_CPU_CAPABILITY / cpp.simdlen names, `_chosen`). So the warmup checks only that
-one (`_probe`); once it builds and loads, the first inductor compile (`wait`) fills inductor's list from the CPU's
+Before its first C++ kernel, inductor finds the CPU's vector ISA (`cpu_vec_isa.valid_vec_isa_list`): it builds a test
+library with g++ for each candidate ISA the CPU's flags allow and loads each in a child Python, once per process,
+each build compiling ATen's vector headers (on the benchmark VM 2.7, 2.3, 1.9 and 1.6 s of CPU for AMX, AVX512-VNNI,
+AVX512 and AVX2: 8.5 s per cold cache, on 2 cores; bench/results/compile-time-log.md). It uses one of them: the first
+in that list (or the one ATEN_CPU_CAPABILITY / cpp.simdlen names, `_chosen`). So the warmup checks only that one
+(`_probe`); once it builds and loads, the first inductor compile (`wait`) fills inductor's list from the CPU's
 flags without building the others (`cpp.vec_isa_ok` for that one call): x86 ISAs nest, so a compiler and OS that
 build and load the chosen one build the smaller ones too. Should the chosen one fail, the warmup checks the other
 candidates at once (`_check_each`), where inductor checks them in turn, and inductor's list comes from those
