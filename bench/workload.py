@@ -126,7 +126,7 @@ DEFAULTS_SCAN = ["zcompile_z3", "zcompile_z3_whole_graph", "zcompile_z3_bucket_1
 
 def worker(rank: int, world: int, system: str, args) -> dict:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    bf16 = args.device == "cuda" and not args.fp32
+    bf16 = args.dtype == "bf16"
     model = build_model(args.model, args.vocab).to(device)
     num_params = sum(p.numel() for p in model.parameters())
     run, opt, autocast = SETUP[system](model, world, device, bf16)
@@ -208,7 +208,7 @@ def header(args, rows) -> str:
     else:
         device = f"CPU ({os.cpu_count()} cores), world {args.world}, gloo"
     params = next((r["num_params"] for r in rows if "num_params" in r), 0)
-    dtype = "bf16 compute, fp32 master" if args.device == "cuda" and not args.fp32 else "fp32"
+    dtype = "bf16 compute, fp32 master" if args.dtype == "bf16" else "fp32"
     return (f"### {args.model} ({params / 1e6:.1f}M params), {args.micro} x {args.seq} tokens per rank, {dtype}, "
             f"{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
@@ -239,7 +239,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--world", type=int, default=None, help="default: 1 on cuda, 2 on cpu")
     ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--fp32", action="store_true", help="fp32 compute on cuda too (CPU always runs fp32)")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="compute dtype (fp32 master weights "
+                    "either way); default: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SETUP)}; or "
@@ -252,6 +253,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tag", default=None, help="result file name (default: workload-<model>-<device>-w<world>)")
     args = ap.parse_args(argv)
     args.world = args.world or (1 if args.device == "cuda" else 2)
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.tag or f"workload-{args.model}-{args.device}-w{args.world}")
     rows: list[dict] = []

@@ -103,18 +103,19 @@ def test_compile_time_counts_the_torch_compile_calls():
 
 
 def test_workload_bench_runs_the_systems_side_by_side(tmp_path):
-    """bench/workload.py on a tiny nanoGPT: each system's row, the same losses for FSDP2 + torch.compile and
-    zcompile (same model, data, optimizer groups and clipping), the device in the header."""
+    """bench/workload.py on a tiny nanoGPT, in bf16 as on a GPU (autocast, FSDP2's MixedPrecisionPolicy, zcompile's
+    mixed_precision): each system's row, the same losses for FSDP2 + torch.compile and zcompile (same model, data,
+    optimizer groups and clipping; bf16 rounding), the device in the header."""
     cmd = [sys.executable, "bench/workload.py", "--model", "gpt2-tiny", "--vocab", "512", "--micro", "2", "--seq",
-           "32", "--warmup", "1", "--steps", "2", "--warm", "--systems", "fsdp2_compile,zcompile_z3",
-           "--out", str(tmp_path)]
+           "32", "--warmup", "1", "--steps", "2", "--warm", "--dtype", "bf16",
+           "--systems", "torch_compile,fsdp2_compile,zcompile_z3", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     data = json.load(open(tmp_path / "workload-gpt2-tiny-cpu-w2.json"))
     rows = {r["system"]: r for r in data["rows"]}
-    assert set(rows) == {"fsdp2_compile", "zcompile_z3"}
+    assert set(rows) == {"torch_compile", "fsdp2_compile", "zcompile_z3"}
     for r in rows.values():
         assert "error" not in r, r
         assert r["median_step_s"] > 0 and r["first_step_s"] > r["median_step_s"] and r["peak_bytes_max"] > 0
-    assert rows["zcompile_z3"]["losses"] == pytest.approx(rows["fsdp2_compile"]["losses"], abs=1e-4)
-    assert "CPU (" in data["header"] and "world 2" in data["header"]
+    assert rows["zcompile_z3"]["losses"] == pytest.approx(rows["fsdp2_compile"]["losses"], abs=2e-2)
+    assert "CPU (" in data["header"] and "world 2" in data["header"] and "bf16 compute" in data["header"]
     assert "| zcompile_z3 |" in (tmp_path / "workload-gpt2-tiny-cpu-w2.md").read_text()
