@@ -39,7 +39,10 @@ def _bw_graph(w_shapes=((6, 4), (6, 6))):
 
 # -- dynamo phase
 
-def test_mixed_precision_casts_at_first_use_and_outputs_back():
+@pytest.mark.parametrize("output_dtype", [None, "fp32"])
+def test_mixed_precision_casts_at_first_use_and_outputs_back_if_asked(output_dtype):
+    """Outputs stay in the compute dtype (FSDP2's default: a language model's logits are never copied to fp32);
+    `output_dtype: fp32` casts them back."""
     g = fx.Graph()
     w, x = g.placeholder("w"), g.placeholder("x")
     for ph, shape in ((w, (6, 4)), (x, (3, 4))):
@@ -49,14 +52,17 @@ def test_mixed_precision_casts_at_first_use_and_outputs_back():
     y.meta["example_value"] = torch.empty(3, 6, device="meta")
     g.output((y,))
     gm = fx.GraphModule(torch.nn.Module(), g)
-    pctx = context({"stage": 3, "mixed_precision": {"param_dtype": "bf16"}}, "dynamo", {0: (6, 4)}, 2)
-    gm = mixed_precision.run(gm, pctx)
+    mp = {"param_dtype": "bf16", "output_dtype": output_dtype}
+    gm = mixed_precision.run(gm, context({"stage": 3, "mixed_precision": mp}, "dynamo", {0: (6, 4)}, 2))
     calls = [(n.op, n.target, n.args[0].name, getattr(n.args[1], "name", n.args[1]) if len(n.args) > 1 else None)
              for n in gm.graph.nodes if n.op in ("call_method", "call_function")]
-    # x cast before relu; w cast after relu (its first use), not at the top; the output cast back to fp32
+    # x cast before relu; w cast after relu (its first use), not at the top; the output cast back to fp32 if asked
+    back = [("call_method", "to", "matmul", torch.float32)] if output_dtype else []
     assert calls == [("call_method", "to", "x", torch.bfloat16), ("call_method", "relu", "to_1", None),
                      ("call_method", "to", "w", torch.bfloat16), ("call_method", "t", "to", None),
-                     ("call_function", torch.matmul, "relu", "t"), ("call_method", "to", "matmul", torch.float32)]
+                     ("call_function", torch.matmul, "relu", "t")] + back
+    (out,) = gm.graph.output_node().args[0]
+    assert out.name == ("to_2" if output_dtype else "matmul")
 
 
 def test_mixed_precision_is_a_no_op_in_fp32():

@@ -107,6 +107,9 @@ SCHEMA: dict[str, Any] = {
                            refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
         "reduce_dtype": Key((str,), "fp32", "gradient communication dtype: fp32 or bf16", choices=tuple(DTYPES),
                             refused=(("fp16", "fp16 needs loss scaling, which zcompile does not do; use bf16"),)),
+        "output_dtype": Key((str, _NONE), None, "the forward's floating outputs: null (default) leaves them in the "
+                            "compute dtype, as FSDP2's MixedPrecisionPolicy does (logits over a real vocabulary are "
+                            "never copied to fp32); fp32 casts them back", choices=(None, "fp32")),
     }, "compute and gradient-reduction dtypes"),
     "dump": Key((str, _NONE), None, "directory for per-rank, per-pass graph dumps (ZCOMPILE_DUMP_DIR overrides)"),
     "pipeline": Key((list, _NONE), None, "ordered pass names; default: the stage's pipeline"),
@@ -186,6 +189,7 @@ def _default(section: str, key: str):
 class MixedPrecision:
     param_dtype: torch.dtype = DTYPES[_default("mixed_precision", "param_dtype")]   # dtype of forward/backward
     reduce_dtype: torch.dtype = DTYPES[_default("mixed_precision", "reduce_dtype")]  # dtype gradients move in
+    output_dtype: torch.dtype | None = None  # the forward's floating outputs cast to it; None: left in param_dtype
 
     @property
     def enabled(self) -> bool:
@@ -420,7 +424,9 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     v = _read(raw, SCHEMA, where)
     stage = Stage(v["stage"])
     _check_stages(v, stage, where)
-    mp = MixedPrecision(DTYPES[v["mixed_precision"]["param_dtype"]], DTYPES[v["mixed_precision"]["reduce_dtype"]])
+    out_dtype = v["mixed_precision"]["output_dtype"]
+    mp = MixedPrecision(DTYPES[v["mixed_precision"]["param_dtype"]], DTYPES[v["mixed_precision"]["reduce_dtype"]],
+                        DTYPES[out_dtype] if out_dtype is not None else None)
     if mp.param_dtype == torch.float32 and mp.reduce_dtype != torch.float32:
         raise ConfigError(f"{where}: key 'mixed_precision.reduce_dtype' is {v['mixed_precision']['reduce_dtype']} "
                           "but param_dtype is fp32: gradients are produced in fp32, reducing them in lower precision "
