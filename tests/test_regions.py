@@ -46,11 +46,13 @@ class Net(nn.Module):
         return self.out(x).sum()
 
 
-def compile_net(depth: int, dynamic: bool | None = None, block=Block):
-    """Net(depth) through dynamo and AOTAutograd, each graph run as a RegionProgram of eagerly run regions."""
+def compile_net(depth: int, dynamic: bool | None = None, block=Block, net=None, decompositions=None,
+                compiled: list | None = None):
+    """Net(depth) (or `net`) through dynamo and AOTAutograd, each graph run as a RegionProgram of eagerly run
+    regions; `compiled` collects (kind, region graph) of each region compiled."""
     torch.manual_seed(0)
-    net = Net(depth, block=block)
-    programs, compiled = {}, []
+    net = net if net is not None else Net(depth, block=block)
+    programs, compiled = {}, compiled if compiled is not None else []
 
     def compiler(kind):
         def compile_graph(gm, example_inputs):
@@ -61,8 +63,9 @@ def compile_net(depth: int, dynamic: bool | None = None, block=Block):
             return programs[kind]
         return compile_graph
 
-    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")),
-                        dynamic=dynamic)
+    extra = {"decompositions": decompositions} if decompositions is not None else {}
+    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                                                  **extra), dynamic=dynamic)
     return net, run, programs
 
 
@@ -116,22 +119,12 @@ def test_the_loss_over_a_wide_head_is_compiled_and_small_ends_run_eagerly(vocab)
     """Outside the blocks, a region is compiled when its elementwise temporaries outweigh EAGER_MAX_BLOCKS block
     regions: the log-softmax over 4096 logits (each eager op a logits-sized temporary), forward and backward; a
     narrow head, the input linear and its gradient run eagerly."""
+    from torch._inductor.decomposition import select_decomp_table  # as zcompile's inductor path decomposes
     torch._dynamo.reset()
     torch.manual_seed(0)
-    net, compiled, programs = VocabNet(4, vocab), [], {}
-
-    def compiler(kind):
-        def compile_graph(gm, example_inputs):
-            def compile_one(sub, fakes):
-                compiled.append((kind, sub))
-                return make_boxed_func(sub.forward)
-            programs[kind] = regions.compile_regions(gm, example_inputs, compile_one)
-            return programs[kind]
-        return compile_graph
-
-    from torch._inductor.decomposition import select_decomp_table  # as zcompile's inductor path decomposes
-    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                                                  decompositions=select_decomp_table()))
+    compiled = []
+    net, run, programs = compile_net(4, net=VocabNet(4, vocab), decompositions=select_decomp_table(),
+                                     compiled=compiled)
     assert_matches_the_model(net, run, torch.randn(4, 16), atol=1e-6)
     wide = vocab == 4096
     for kind, p in programs.items():
