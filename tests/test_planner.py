@@ -161,3 +161,23 @@ def test_plan_zeropp_cross_node_volume_and_hpz_memory():
     assert 0.75 * 0.5 <= 8 * plus.cross_node_bytes / M <= 0.75 * 0.5 * 1.05
     assert plus.state.secondary == pytest.approx(2 * base.num_params / 8, rel=0.01)
     assert "all_to_all" in plus.schedule_text() and "ranks=[" in plus.schedule_text()
+
+
+def test_max_batch_is_the_largest_batch_a_run_fits_in_the_budget(tmp_path):
+    """zcompile plan --max-batch evaluates the graphs' peaks as expressions in the batch and sequence: with a budget
+    between the static plans at 5 and 6 sequences per rank it answers 5, with their peaks within 1% (the dynamic
+    graphs differ from the static ones in a few small tensors, as in the test above); a real run at 5
+    (world 2, CPU) plans the same peak (within gloo's input copies, which a plan without a device does not count)
+    and its measured tensor peak meets the budget."""
+    from zcompile.tools import plan as zplan
+    model = tmp_path / "gpt.yaml"
+    model.write_text("vocab_size: 128\nblock_size: 32\nn_layer: 2\nn_head: 4\nn_embd: 64\n")  # workers' "gpt"
+    at = {b: zplan.plan(str(model), 2, micro=b, seq=workers.SEQ).step_peak for b in (5, 6)}
+    budget = (at[5] + at[6]) // 2
+    fit = zplan.plan(str(model), 2, seq=workers.SEQ, budget=str(budget), max_batch=True)
+    micro, peak, above = fit.max_batch["micro"]
+    assert micro == 5 and abs(peak - at[5]) < 0.01 * at[5] and abs(above - at[6]) < 0.01 * at[6], (fit.max_batch, at)
+    assert fit.max_batch["seq"][0] == 32 and "largest micro-batch that fits" in fit.summary()  # block_size caps it
+    run = run_world(2, workers.allocator_peaks, "gpt", {"stage": 3, "backend": "eager"}, micro=5)[0]
+    assert abs(run["planned"] - at[5]) <= 0.05 * at[5], (run["planned"], at[5])
+    assert run["measured"]["peak"] <= budget, (run["measured"], budget)

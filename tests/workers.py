@@ -460,13 +460,14 @@ def train_measured(rank: int, world: int, name: str, config: dict, steps: int = 
             "peaks": {r.kind: (r.planned_peak, r.measured_peak) for r in _lowest_runs(runs)}}
 
 
-def allocator_peaks(rank: int, world: int, name: str, config: dict, repeats: int = 3) -> dict:
-    """Train 3 steps; then the allocator-measured tensor peak of `repeats` more (the lowest), and the planner's
-    step peak."""
-    model, opt, _ = train(rank, world, name, config, 3)
+def allocator_peaks(rank: int, world: int, name: str, config: dict, repeats: int = 3, micro: int = MICRO) -> dict:
+    """Train 3 steps of `micro` sequences per rank; then the allocator-measured tensor peak of `repeats` more (the
+    lowest), and the planner's step peak."""
+    sizes = [micro] * (3 + repeats)
+    model, opt, _ = train(rank, world, name, config, 3, batch_sizes=sizes)
     steps = iter(range(3, 3 + repeats))
     measured = zcompile.step_tensor_peak(lambda: train(rank, world, name, config, 1, model=model, opt=opt,
-                                                       start=next(steps)), repeats=repeats)
+                                                       start=next(steps), batch_sizes=sizes), repeats=repeats)
     return {"measured": measured, "planned": zcompile.planned_step_peak()}
 
 
@@ -660,3 +661,39 @@ def gather_issue_order(rank: int, world: int, config: dict) -> list[str]:
     names = {"_c10d_functional::all_gather_into_tensor_out": "issue", "_c10d_functional::wait_tensor": "wait"}
     events = sorted((e for e in prof.events() if e.name in names), key=lambda e: e.time_range.start)
     return [names[e.name] for e in events]
+
+
+def activation_budget_run(rank: int, world: int, budget: int | None, steps: int = 4, extra: dict | None = None
+                          ) -> dict:
+    """Issue 48's case: a 4-layer GPT-like model (vocabulary 256, 128 wide), 8 x 256 tokens per rank, stage 3,
+    inductor, `budget` as memory_budget. The losses, the measured tensor peak of the last steps, the planner's
+    decisions, and by the cost model the time of the ops it recomputes and of every block's forward (what
+    checkpointing each block recomputes)."""
+    from zcompile.compiler import backend as zbackend, recompute, timeline
+    from zcompile.compiler.blocks import block_of
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=128))
+    config = {"stage": 3, "backend": "inductor"} | ({"memory_budget": budget} if budget is not None else {}) | \
+        (extra or {})
+    compiled = torch.compile(model, backend="zero", options={"config": config})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(i):
+        xy = torch.randint(0, 256, (8, 257), generator=torch.Generator().manual_seed(1000 * i + rank))
+        loss = compiled(xy[:, :-1], xy[:, 1:]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses = [step(i) for i in range(steps)]
+    more = iter(range(steps, steps + 3))
+    measured = zcompile.step_tensor_peak(lambda: losses.append(step(next(more))), repeats=3)["peak"]
+    (job,) = [j for j in zbackend._COMPILED if j.final]
+    cost = timeline.CostModel.cpu()
+    fw, bw = job.final["forward"], job.final["backward"]
+    block_forward_s = sum(recompute.op_seconds(n, cost) for n in fw.graph.nodes
+                          if n.op == "call_function" and block_of(n))
+    backward_s = sum(recompute.op_seconds(n, cost) for n in bw.graph.nodes if n.op == "call_function")
+    return {"losses": losses, "measured": measured, "decisions": zcompile.activation_decisions(),
+            "backward_s": backward_s, "block_forward_s": block_forward_s, "planned": zcompile.planned_step_peak()}

@@ -11,7 +11,7 @@ import torch
 
 from zcompile.runtime.allocator_peak import step_tensor_peak
 from zcompile.compiler import before_trace
-from zcompile.compiler.backend import planned_step_peak, zero_backend
+from zcompile.compiler.backend import activation_decisions, planned_step_peak, zero_backend
 from zcompile.runtime.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.runtime.collective_traffic import reset_traffic, traffic
 from zcompile.config import Config
@@ -29,7 +29,7 @@ from zcompile.tools.report import memory_report
 __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMismatch", "init_distributed",
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
            "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
-           "reset_offload_traffic", "planned_step_peak", "step_tensor_peak", "ZeroError", "PeerTimeout", "PeerFailed",
+           "reset_offload_traffic", "planned_step_peak", "activation_decisions", "step_tensor_peak", "ZeroError", "PeerTimeout", "PeerFailed",
            "CheckpointError", "NonFiniteGradients", "shard_parameters"]
 __version__ = "0.1.0"
 

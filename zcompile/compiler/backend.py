@@ -35,7 +35,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
-from zcompile.compiler import aot_graph_logs, before_trace, block_regions, fake_values, graph_cache, trace_blocks_once
+from zcompile.compiler import activation_plan, aot_graph_logs, before_trace, block_regions, fake_values, graph_cache
+from zcompile.compiler import trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext
@@ -47,6 +48,8 @@ from zcompile.compiler.topology import Topology
 from zcompile.config import Stage, Tier
 
 _graph_ids = itertools.count()  # numbers graphs in dumps and messages, per process
+# plan_partition: the fractions of saved activation memory the partitioner's knapsack is asked to keep, in order
+PARTITION_FRACTIONS = (0.5, 0.25, 0.12, 0.06, 0.03)
 
 
 def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
@@ -101,6 +104,8 @@ class _GraphCompile:
         self.notes: list[str] = []  # planner decisions, shown at the top of every dump of this graph
         self.num_fwd_outputs = 0
         self.offloaded: dict[str, int] = {}  # saved activations the forward sends to the host, by name
+        self.offload_saved: frozenset = frozenset()  # of those, the ones the planner chose (plan_activations)
+        self.activation_plan: list[str] = []  # plan_activations' decision per saved activation, for the user
         self.times: dict[str, float] = {}  # seconds spent per compile phase (bench/compile_time.py reads them)
         # graph kind -> (regions, regions running compiled code, distinct regions compiled)
         self.regions: dict[str, tuple[int, int, int]] = {}
@@ -117,19 +122,21 @@ class _GraphCompile:
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
-    def pctx(self, kind: str, offloaded: dict | None = None) -> PassContext:
+    def pctx(self, kind: str, offloaded: dict | None = None, offload_saved: frozenset | None = None) -> PassContext:
         return PassContext(self.cfg, self.ctx, kind, self.params, self.num_args, self.topology,
                            num_fwd_outputs=self.num_fwd_outputs,
-                           offloaded=self.offloaded if offloaded is None else offloaded)
+                           offloaded=self.offloaded if offloaded is None else offloaded,
+                           offload_saved=self.offload_saved if offload_saved is None else offload_saved)
 
     def dumper(self, kind: str):
         """on_pass for run_phase: dump the graph after each pass (None when not dumping)."""
         return (lambda name, gm: self.dump(kind, name, gm)) if self.dump.dir else None
 
-    def split_passes(self, gm: fx.GraphModule, kind: str, trial: dict | None = None
-                     ) -> tuple[fx.GraphModule, PassContext]:
-        """`trial`: a scratch record of offloaded activations for a trial run on copies (nothing is kept)."""
-        pctx = self.pctx(kind, trial)
+    def split_passes(self, gm: fx.GraphModule, kind: str, trial: dict | None = None,
+                     offload_saved: frozenset | None = None) -> tuple[fx.GraphModule, PassContext]:
+        """`trial`: a scratch record of offloaded activations for a trial run on copies (nothing is kept), which
+        may offload the saved activations `offload_saved` instead of the planner's."""
+        pctx = self.pctx(kind, trial, offload_saved)
         if trial is None:
             gm.meta["zc_notes"] = list(self.notes)
             self.dump(kind, "input", gm)
@@ -144,25 +151,119 @@ class _GraphCompile:
         return gm, pctx
 
     def cost_model(self) -> timeline.CostModel:
-        return timeline.CostModel() if self.ctx.device.type == "cuda" else timeline.CostModel.cpu()
+        return timeline.CostModel.cpu() if self.ctx.device.type == "cpu" else timeline.CostModel()  # meta: a plan
+
+    def trial_peak(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset()) -> int:
+        """The planned step peak of `graphs` (kind -> graph), from the split passes run on copies of them
+        (parameters not yet decided whole count as sharded)."""
+        scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
+        lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind,
+                                                          trial=scratch, offload_saved=offload_saved)[0])
+                 for kind, gm in graphs.items()}
+        return planner.step_peak(planner.model_state(list(self.params.values())), lives)
+
+    def plan_partition(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut) -> tuple:
+        """With a memory budget the step does not fit, partition again with the partitioner's own recompute
+        knapsack (`activation_memory_budget`, over the whole joint graph), keeping the largest fraction of saved
+        activation memory whose planned step peak fits (PARTITION_FRACTIONS, then halving the gap once). Returns
+        the forward and backward, and where no fraction fits, the one with the lowest peak (fraction, forward,
+        backward, peak) for plan_activations to start from, else None."""
+        budget = self.cfg.memory_budget_bytes(self.ctx.device)
+        if budget is None or not self.cfg.plan_activations:
+            return fw, bw, None
+        with self.timed("activation plan"):
+            peak = self.trial_peak({"forward": fw, "backward": bw})
+            if peak <= budget:
+                return fw, bw, None
+            fits, over, lowest = None, 1.0, None
+            for fraction in PARTITION_FRACTIONS:
+                f, b = min_cut(fraction)
+                p = self.trial_peak({"forward": f, "backward": b})
+                if p <= budget:
+                    fits = (fraction, f, b, p)
+                    break
+                over = fraction
+                if p < peak and (lowest is None or p < lowest[3]):
+                    lowest = (fraction, f, b, p)
+            if fits is None:  # below some fraction the knapsack's peak rises again
+                return fw, bw, lowest
+            middle = (fits[0] + over) / 2
+            f, b = min_cut(middle)
+            p = self.trial_peak({"forward": f, "backward": b})
+            if p <= budget:
+                fits = (middle, f, b, p)
+            fraction, f, b, planned = fits
+            self.activation_plan = activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs, fraction,
+                                                                    self.cost_model(), peak, planned, budget)
+        self.notes.append(self.activation_plan[0])
+        self.dump.text("activations", self.activation_plan)
+        return f, b, None
+
+    def plan_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, knapsack: tuple | None = None
+                         ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """With a memory budget the step does not fit, choose per saved activation to keep it, recompute it in the
+        backward or (on an accelerator) offload it to the host: planner.choose_activations over each one's cheapest
+        way out by the cost model, measured on the rewritten graphs. First from the knapsack's partition that came
+        closest (`knapsack`, from plan_partition), then, where that does not fit, from `fw` and `bw`. Returns the
+        rewritten forward and backward."""
+        budget = self.cfg.memory_budget_bytes(self.ctx.device)
+        if budget is None or not self.cfg.plan_activations or self.activation_plan:
+            return fw, bw
+        with self.timed("activation plan"):
+            peak = self.trial_peak({"forward": fw, "backward": bw})
+            if peak <= budget:
+                return fw, bw
+            starts = ([knapsack] if knapsack is not None else []) + [(None, fw, bw, peak)]
+            for fraction, f, b, start_peak in starts:
+                chosen, seconds, planned, every = self._rewrite_activations(f, b, budget)
+                if planned <= budget:
+                    break
+        self.offload_saved = frozenset(c.name for c in chosen if c.action == "offload")
+        self.activation_plan = activation_plan.report(every, chosen, seconds, start_peak, planned, budget)
+        if fraction is not None:  # on the knapsack's partition
+            self.activation_plan[0] += (f"; from the partitioner's recompute knapsack at activation_memory_budget "
+                                        f"{fraction:.3g} (planned step peak {liveness.fmt(peak)} with every saved "
+                                        "activation kept)")
+            self.activation_plan += activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs, fraction,
+                                                                     self.cost_model(), peak, start_peak, budget)
+        where = f" (each decision: graph{self.graph_id}_activations.txt)" if self.dump.dir else ""
+        self.notes.append(self.activation_plan[0] + where)
+        self.dump.text("activations", self.activation_plan)
+        return f, b
+
+    def _rewrite_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, budget: int) -> tuple:
+        """plan_activations on one partition, rewritten in place: (choices made, seconds they add, planned peak,
+        every saved activation's choice or keep)."""
+        n_out, cost = self.num_fwd_outputs, self.cost_model()
+        options, kept = activation_plan.options(fw, n_out, cost, self.ctx.device, self.cfg.offload.activation_min_bytes)
+
+        def peak_of(chosen):
+            f, b = (fx.GraphModule(gm, placement.copy_graph(gm.graph)) for gm in (fw, bw))
+            chosen, _ = activation_plan.apply(f, b, n_out, chosen, cost)
+            offload = frozenset(c.name for c in chosen if c.action == "offload")
+            try:
+                return self.trial_peak({"forward": f, "backward": b}, offload)
+            finally:  # the collector is paused while compiling: each trial's graphs are cycles
+                del f, b
+                gc.collect()
+
+        chosen, planned = planner.choose_activations(options, peak_of, budget)
+        chosen, seconds = activation_plan.apply(fw, bw, n_out, chosen, cost)
+        return chosen, seconds, planned, options + kept
 
     def plan_persistence(self, graphs: dict[str, fx.GraphModule]) -> None:
         """Stage 3: decide which parameters of this graph stay whole (planner.choose_persistent). With a memory
         budget, the headroom is the budget minus the planned step peak with every parameter sharded, measured by
-        running the split passes on copies of the graphs."""
+        running the split passes on copies of the graphs; none where the activation plan had to recompute or
+        offload to fit (whole parameters would take back what that costs step time to free)."""
         undecided = [zp for zp in self.params.values()
                      if zp.stage == Stage.PARAMETERS and not zp.persist_decided and zp.param_tier == Tier.DEVICE]
         if not undecided:
             return
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         headroom = None
-        if budget is not None:
-            scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
-            lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind,
-                                                              trial=scratch)[0])
-                     for kind, gm in graphs.items()}
-            peak = planner.step_peak(planner.model_state(list(self.params.values())), lives)
-            headroom = max(0, budget - peak)
+        if budget is not None and not self.activation_plan:  # memory freed by recomputing is not spent again
+            headroom = max(0, budget - self.trial_peak(graphs))
         chosen, why = planner.choose_persistent(undecided, self.cfg.persist_threshold_bytes, headroom)
         for zp in undecided:
             zp.persist_decided = True
@@ -219,6 +320,9 @@ class _GraphCompile:
                f"activations) + transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}. Offload moves "
                "state off the device: offload.optimizer (cpu/nvme), offload.params (cpu/nvme, stage 3), "
                "offload.activations (cpu); tiling splits large linears")
+        if self.activation_plan:
+            msg += (f". This is already the smallest plan the memory planner found ({self.activation_plan[0]}); "
+                    f"it needs a memory_budget of at least {liveness.fmt(peak)}")
         if self.cfg.over_budget == "warn":
             for gm in graphs.values():
                 gm.meta.setdefault("zc_notes", []).append(f"OVER BUDGET: {msg}")
@@ -249,14 +353,24 @@ class _GraphCompile:
         self.seed_random_ops(joint)
         # lazy graph modules: the passes change both graphs, and what runs them (regions, inductor) reads the graph,
         # so their Python code is generated only if something calls or prints them
-        with self.timed("partition"), _use_lazy_graph_module(True):
-            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                                         **kwargs)
-            bw = _lazy(bw)  # the partitioner rebuilds the backward as a plain GraphModule when it reorders it
+        def min_cut(fraction: float = 1.0):
+            # the partitioner's knapsack keeps `fraction` of the activation memory it can choose to save; on a copy:
+            # the budget's search partitions the joint graph again
+            with self.timed("partition"), _use_lazy_graph_module(True), \
+                    torch._functorch.config.patch(activation_memory_budget=fraction):
+                fw, bw = min_cut_rematerialization_partition(fx.GraphModule(joint, placement.copy_graph(joint.graph)),
+                                                             joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+                return fw, _lazy(bw)  # the partitioner rebuilds the backward as a plain GraphModule when it reorders
+
+        fw, bw = min_cut()
         if self.regions_kept:
             with self.timed("inline regions"):  # with a fake propagation of the forward (inline_partitioned)
                 block_regions.inline_partitioned(fw, bw, num_fwd_outputs)
         self.num_fwd_outputs = num_fwd_outputs
+        knapsack = None
+        if not self.regions_kept:  # the whole joint graph is here: the partitioner itself can trade
+            fw, bw, knapsack = self.plan_partition(fw, bw, min_cut)
+        fw, bw = self.plan_activations(fw, bw, knapsack)
         self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
         bw, self.bw_pctx = self.split_passes(bw, "backward")
@@ -341,7 +455,7 @@ class _GraphCompile:
                 params={i: (zp.persist_decided, zp.persistent, zp.optim_tier, zp.secondary_numel,
                             getattr(zp, "secondary_dtype", None)) for i, zp in self.params.items()},
                 notes=list(self.notes), num_fwd_outputs=self.num_fwd_outputs, offloaded=dict(self.offloaded),
-                schedule=self.schedule)
+                schedule=self.schedule, activation_plan=list(self.activation_plan))
         return gm, made, record
 
     def load_cached(self, kind: str, record: dict, gm: fx.GraphModule) -> Callable:
@@ -357,6 +471,7 @@ class _GraphCompile:
             self.notes = list(record["notes"])
             self.num_fwd_outputs = record["num_fwd_outputs"]
             self.offloaded.update(record["offloaded"])
+            self.activation_plan = list(record["activation_plan"])
             if self.cfg.schedule_check:  # part of the cache key: as when this graph was stored
                 self.announce(record["schedule"])
         pctx = self.pctx(kind)
@@ -464,6 +579,13 @@ def planned_step_peak() -> int:
     peaks = [planner.step_peak(planner.model_state(list(job.params.values())), job.planned)
              for job in _COMPILED if job.planned]
     return max(peaks, default=0)
+
+
+def activation_decisions() -> list[str]:
+    """The memory planner's decision for each saved activation (keep, recompute, offload, with its cost) of the
+    graphs compiled in this process whose model is still alive; empty where no memory_budget made it act."""
+    gc.collect()
+    return [line for job in sorted(_COMPILED, key=lambda j: j.graph_id) for line in job.activation_plan]
 
 
 @contextlib.contextmanager

@@ -178,7 +178,7 @@ def inline_partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
         if value in named:
             ph.replace_all_uses_with(named[value])
             continue
-        name = value.name if value.op == "placeholder" else _free_name(value, bw.graph)
+        name = value.name if value.op == "placeholder" else free_name(value, bw.graph)
         value._rename(name)
         with bw.graph.inserting_before(ph):
             new = bw.graph.placeholder(name)
@@ -192,7 +192,7 @@ def inline_partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
         gm.graph.lint()
 
 
-def _free_name(value: fx.Node, bw: fx.Graph) -> str:
+def free_name(value: fx.Node, bw: fx.Graph) -> str:
     """`value`'s name if the backward never used it, else a new one neither graph used (fx never frees a name)."""
     fw_used, bw_used = value.graph._graph_namespace._used_names, bw._graph_namespace._used_names
     if value.name not in bw_used:

@@ -83,6 +83,12 @@ class GraphDumper:
                 f.write(f"# {note}\n")
             f.write(annotated_code(gm))
 
+    def text(self, name: str, lines: list[str]) -> None:
+        """graph<id>_<name>.txt: a decision record (the activation plan)."""
+        if self.dir and lines:
+            with open(os.path.join(self.dir, f"graph{self.graph_id}_{name}.txt"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+
     def schedule(self, graphs: dict[str, fx.GraphModule], cost: timeline.CostModel) -> None:
         if not self.dir:
             return

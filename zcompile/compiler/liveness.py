@@ -136,7 +136,8 @@ def gloo_copy_bytes(node: fx.Node) -> int:
     return _nbytes(node.args[0].meta["val"])
 
 
-def analyze(gm: fx.GraphModule) -> Liveness:
+def _lifetimes(gm: fx.GraphModule, sizer) -> tuple[list, dict, dict, set, set, dict]:
+    """(nodes, storages per node, size per storage by `sizer`, input storages, host storages, frees per node)."""
     nodes = list(gm.graph.nodes)
     storages_of: dict[fx.Node, list] = {}
     size: dict = {}
@@ -153,7 +154,7 @@ def analyze(gm: fx.GraphModule) -> Liveness:
         keys = []
         for t in _tensors(n.meta.get("val")):
             key = StorageWeakRef(t.untyped_storage())
-            size.setdefault(key, _nbytes(t))
+            size.setdefault(key, sizer(t))
             keys.append(key)
             if n.meta.get("zc_tier") in ("cpu", "nvme"):
                 host.add(key)
@@ -183,20 +184,55 @@ def analyze(gm: fx.GraphModule) -> Liveness:
     for a in gm.graph.output_node().all_input_nodes:
         for key in storages_of.get(a, []):
             last_use[key] = len(nodes)
-    live, allocated, peak, peak_node, trace = 0, set(), 0, "", []
     frees: dict[int, list] = {}
     for key, k in last_use.items():
         frees.setdefault(k, []).append(key)
+    return nodes, storages_of, size, inputs, host, frees
+
+
+def _live(nodes, storages_of, size, inputs, host, frees) -> tuple[list, list]:
+    """Bytes alive at each node (its outputs allocated, before its frees) and after it, in the sizes' type (int,
+    or sympy for symbolic sizes)."""
+    live, allocated, at, after = 0, set(), [], []
     for k, n in enumerate(nodes):
         for key in storages_of[n]:
             if key not in allocated and key not in inputs and key not in host:
                 allocated.add(key)
                 live += size[key]
-        if live > peak:
-            peak, peak_node = live, n.name
+        at.append(live)
         for key in frees.get(k, []):
             if key in allocated:
                 live -= size[key]
                 allocated.discard(key)
-        trace.append((n.name, live))
-    return Liveness(trace, peak, peak_node, sum(size[k] for k in inputs))
+        after.append(live)
+    return at, after
+
+
+def analyze(gm: fx.GraphModule) -> Liveness:
+    nodes, storages_of, size, inputs, host, frees = _lifetimes(gm, _nbytes)
+    at, after = _live(nodes, storages_of, size, inputs, host, frees)
+    peak, peak_node = 0, ""
+    for k, n in enumerate(nodes):
+        if at[k] > peak:
+            peak, peak_node = at[k], n.name
+    return Liveness([(n.name, after[k]) for k, n in enumerate(nodes)], peak, peak_node,
+                    sum(size[k] for k in inputs))
+
+
+def _size_expr(t: torch.Tensor):
+    import sympy
+    n = t.untyped_storage().nbytes()
+    return n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))
+
+
+def peak_exprs(gm: fx.GraphModule) -> list:
+    """The graph's planned peak as candidates over its dynamic sizes: sympy expressions in the sizes' symbols, the
+    graph's inputs plus the bytes alive at one node each; the peak at given sizes is the largest of them there.
+    Only the nodes where the live bytes stop rising are kept (a peak sits at one of them, at any sizes, as the bytes
+    a node allocates are never negative)."""
+    nodes, storages_of, size, inputs, host, frees = _lifetimes(gm, _size_expr)
+    at, _ = _live(nodes, storages_of, size, inputs, host, frees)
+    import sympy
+    base = sum((size[k] for k in inputs), start=sympy.Integer(0))
+    tops = [at[k] for k in range(len(at)) if k + 1 == len(at) or frees.get(k)]
+    return list(dict.fromkeys(base + e for e in tops))

@@ -35,6 +35,7 @@ class PassContext:
     own_placeholders: set[str] = dataclasses.field(default_factory=set)  # placeholders whose values we set
     num_fwd_outputs: int = 0                # forward graph: outputs before the saved-for-backward ones
     offloaded: dict[str, int] = dataclasses.field(default_factory=dict)  # saved activations on the host (shared)
+    offload_saved: frozenset = frozenset()  # saved activations the planner sends to the host (by forward name)
     subgroups: list[Group] = dataclasses.field(default_factory=list)  # for the commit step to create
 
     def subgroup(self, group: Group) -> Group:

@@ -95,3 +95,91 @@ def choose_persistent(candidates: list[ShardedParam], threshold_bytes: int, head
         why.append(f"{len(by_budget)} more that fit the memory budget's headroom of {liveness.fmt(headroom_bytes)}")
     cost = sum(map(extra, chosen))
     return chosen, f"persist: kept {len(chosen)} param(s) whole (+{liveness.fmt(cost)} per rank): " + "; ".join(why)
+
+
+@dataclasses.dataclass
+class ActivationChoice:
+    """What happens to one saved activation between the forward and the backward, and what it costs."""
+    name: str
+    shape: tuple
+    nbytes: int
+    action: str = "keep"      # "keep", "recompute" (in the backward) or "offload" (to the host and back)
+    cost_s: float = 0.0       # added step time by the cost model (timeline.CostModel)
+    detail: str = ""          # the ops recomputed, or the copies made
+    group: tuple = ()         # choices that are the same work in another block are made together
+    freed: int = 0            # bytes the way out frees (a recompute may save a smaller input instead)
+
+    def line(self) -> str:
+        what = f"{self.action:<9} {self.name} {list(self.shape)} {liveness.fmt(self.nbytes)}"
+        return what + (f": +{self.cost_s * 1e3:.3f} ms ({self.detail})" if self.action != "keep" else "")
+
+
+SCAN_BELOW_ALL = 8  # where recomputing every candidate does not fit, the group counts below it tried
+
+
+def choose_activations(options: list[ActivationChoice], peak_of, budget: int) -> tuple[list[ActivationChoice], int]:
+    """Under `budget`, the saved activations to recompute or offload: each candidate comes with its cheapest way
+    out (`options`: action, cost and the bytes it frees), taken in order of cost per byte freed, a group at a time,
+    and the fewest groups whose planned step peak (`peak_of(chosen)`, measured on the rewritten graphs) fits are
+    chosen (bisection: the peak falls as groups are added). Where all of them do not fit, up to SCAN_BELOW_ALL
+    fewer counts are tried: the bisection goes on below the first that fits, else the count with the lowest peak
+    is the smallest plan. Returns the chosen ones and their peak."""
+    ranked = sorted(options, key=lambda c: c.cost_s / max(c.freed, 1))
+    groups: list[list[ActivationChoice]] = []
+    for c in ranked:
+        if groups and groups[-1][0].group == c.group:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+
+    def first(g: int) -> list[ActivationChoice]:
+        return [c for grp in groups[:g] for c in grp]
+
+    lo, hi = 0, len(groups)
+    peak = peak_of(first(hi))
+    if peak > budget:  # the peak need not fall with every group (shared recomputed ops live longer): fewer
+        best = (peak, hi)
+        for g in range(hi - 1, max(0, hi - SCAN_BELOW_ALL) - 1, -1):
+            p = peak_of(first(g))
+            best = min(best, (p, g))
+            if p <= budget:
+                break
+        if best[0] > budget:
+            return first(best[1]), best[0]
+        peak, hi = best
+    while hi - lo > 1:  # peak(lo) over the budget, peak(hi) within it
+        mid = (lo + hi) // 2
+        p = peak_of(first(mid))
+        if p <= budget:
+            hi, peak = mid, p
+        else:
+            lo = mid
+    return first(hi), peak
+
+
+def step_peak_at(state: ModelState, candidates: list, sizes: dict) -> int:
+    """step_peak from liveness.peak_exprs candidates (all graphs'), at `sizes` (sympy symbol -> value)."""
+    return state.grad + state.optim + max(int(e.xreplace(sizes)) for e in candidates)
+
+
+def largest_fitting(state: ModelState, candidates: list, budget: int, symbol, fixed: dict, limit: int
+                    ) -> tuple[int, int | None, int | None]:
+    """The largest value of `symbol` (the others at `fixed`) up to `limit` whose planned step peak fits `budget`:
+    (value, its peak, the peak one above it, None at the limit); value 0 where even 1 does not fit. The peak grows
+    with every size (no tensor shrinks as a batch or sequence grows), so a doubling then bisection finds it."""
+    def peak(v: int) -> int:
+        return step_peak_at(state, candidates, {**fixed, symbol: v})
+
+    if peak(1) > budget:
+        return 0, None, peak(1)
+    lo, hi = 1, 2
+    while hi <= limit and peak(hi) <= budget:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # peak(lo) fits, hi does not (or is past the limit)
+        mid = (lo + hi) // 2
+        if peak(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo, peak(lo), peak(lo + 1) if lo < limit else None

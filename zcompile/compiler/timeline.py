@@ -26,6 +26,7 @@ class CostModel:
     mem_bytes_per_s: float = 2e12    # HBM bandwidth
     link_bytes_per_s: float = 25e9   # per-rank network bandwidth (200 Gb/s)
     latency_s: float = 10e-6         # per collective
+    host_bytes_per_s: float = 25e9   # device <-> pinned host memory (PCIe gen5 x16, well below peak)
 
     @staticmethod
     def cpu() -> "CostModel":

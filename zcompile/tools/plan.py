@@ -22,12 +22,13 @@ from zcompile.runtime.dist_context import DistContext
 from zcompile.models.gpt import GPT, GPTConfig
 from zcompile.config import Stage
 
-PRESETS = {  # GPT-3 paper shapes (vocab padded to a multiple of 64)
+PRESETS = {  # GPT-3 paper shapes (vocab padded to a multiple of 64), and GPT-2's largest
     "gpt-small": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt-1.3b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048),
     "gpt-13b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=40, n_head=40, n_embd=5120),
     "gpt-175b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=96, n_head=96, n_embd=12288),
     "gpt-1t": GPTConfig(vocab_size=50304, block_size=2048, n_layer=128, n_head=160, n_embd=25600),
+    "gpt2-1.5b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),  # GPT-2 XL
 }
 
 
@@ -54,6 +55,8 @@ class Plan:
     budget: int | None
     cross_node_bytes: int = 0   # of comm, this rank's share of the bytes crossing nodes (Topology.cross_fraction)
     compute_itemsize: int = 4   # bytes per parameter in the compute dtype (M = compute_itemsize * P)
+    activations: list = dataclasses.field(default_factory=list)  # the memory planner's decision per saved activation
+    max_batch: dict | None = None  # --max-batch: the largest micro-batch and sequence that fit the budget
     graphs: dict = dataclasses.field(repr=False, default_factory=dict)
 
     @property
@@ -80,9 +83,26 @@ class Plan:
         for kind, g in self.graph_peaks.items():
             lines.append(f"{kind}: inputs {f(g['inputs'])} (shards, batch, saved activations) + transient peak "
                          f"{f(g['transient'])} after {g['peak_node']}; {self.collectives[kind]} collectives")
+        if self.activations:
+            lines.append(self.activations[0])
         fits = "" if self.budget is None else (" -- fits the budget " if self.step_peak <= self.budget
                                                 else " -- OVER the budget ") + f(self.budget)
+        if self.budget is not None and self.step_peak > self.budget:
+            fits += (f"; the smallest plan found needs {f(self.step_peak)}" if self.activations else
+                     " (every saved activation kept: --max-batch plans without acting on the budget)"
+                     if self.max_batch else " (plan_activations is off: no saved activation recomputed)")
         lines.append(f"planned per-rank peak: {f(self.step_peak)}{fits}")
+        if self.max_batch:
+            m = self.max_batch
+            for what, key in (("micro-batch", "micro"), ("sequence length", "seq")):
+                value, peak, above = m[key]
+                at = f"sequence {m['seq_at']}" if key == "micro" else f"micro-batch {m['micro_at']}"
+                lines.append(f"largest {what} that fits {f(self.budget)} at {at}: {value}"
+                             + (f" (planned peak {f(peak)}" if peak is not None else " (")
+                             + (f"; {value + 1}: {f(above)})" if above is not None else
+                                f"; the model's limit{')' if peak is not None else ''}")
+                             + (" -- from the graphs' sizes as expressions in the batch and sequence; every saved "
+                                "activation kept" if key == "micro" else ""))
         per_op: dict = {}
         for ops in self.comm_bytes.values():
             for op, b in ops.items():
@@ -119,9 +139,13 @@ def build_model(spec: str) -> tuple[str, GPTConfig]:
 
 
 def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, seq: int | None = None,
-         overrides: dict | None = None, offload: str = "none") -> Plan:
+         overrides: dict | None = None, offload: str = "none", budget: str | None = None,
+         max_batch: bool = False) -> Plan:
     """Plan one training step of a GPT preset (or config file) on `world` ranks. `config`: path, mapping or None.
-    `offload` ("cpu"/"nvme") puts the optimizer state, and at stage 3 the parameter shards, in that tier."""
+    `offload` ("cpu"/"nvme") puts the optimizer state, and at stage 3 the parameter shards, in that tier. `budget`
+    ('70GiB', bytes) replaces the config's memory_budget: the planner then chooses which saved activations to
+    recompute or offload (plan.activations). `max_batch`: compile with the batch and sequence dims dynamic and find
+    the largest micro-batch (at `seq`) and sequence (at `micro`) whose planned step peak fits the budget."""
     if world < 1 or nodes < 1 or world % nodes:
         raise zconfig.ConfigError(f"--world {world} must be a positive multiple of --nodes {nodes}")
     name, gcfg = build_model(model)
@@ -130,6 +154,10 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     if seq > gcfg.block_size:
         raise zconfig.ConfigError(f"--seq {seq} exceeds the model's block_size {gcfg.block_size}")
     cfg = zconfig.from_options({"config": config})
+    if budget is not None:
+        budget = int(budget) if str(budget).strip().isdigit() else budget
+        zconfig.parse_bytes(budget, None, "--budget", "budget")  # a clear error for a bad size
+        cfg = dataclasses.replace(cfg, memory_budget=budget)
     if isinstance(cfg.memory_budget, float) and cfg.memory_budget <= 1:
         raise zconfig.ConfigError(f"{cfg.source}: key 'memory_budget' is a fraction of device memory; planning "
                                   "has no device, give it in bytes (e.g. '80GiB')")
@@ -140,6 +168,11 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         if offload == "nvme":
             section["nvme_path"] = "<planned>"
         cfg = dataclasses.replace(cfg, offload=zconfig.offload_for(section, cfg.stage, "--offload"))
+    budget_bytes = cfg.memory_budget_bytes(torch.device("meta"))
+    if max_batch:  # the budget is what the sizes are fitted to: it decides nothing at the traced size
+        if budget_bytes is None:
+            raise zconfig.ConfigError("--max-batch needs a budget: --budget or memory_budget in the config")
+        cfg = dataclasses.replace(cfg, memory_budget=None)
     # a plan over budget is reported, not raised
     cfg = dataclasses.replace(cfg, backend="eager", schedule_check=False, dump=None, over_budget="warn",
                               ranks_per_node=cfg.ranks_per_node or world // nodes)
@@ -148,12 +181,17 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     backend = zbackend.dry_backend(cfg, DistContext.without_group(world), jobs)
     with torch.device("meta"):
         net = GPT(gcfg)
-        idx = torch.zeros(micro, seq, dtype=torch.long)
+        # sizes 0 and 1 would be specialized: a dynamic dim is traced at 2 or more
+        idx = torch.zeros(max(micro, 2) if max_batch else micro, max(seq, 2) if max_batch else seq, dtype=torch.long)
+    if max_batch:
+        torch._dynamo.mark_dynamic(idx, 0)
+        torch._dynamo.mark_dynamic(idx, 1)
     # Compiled outside the device context: under it dynamo traces the context's __torch_function__ for every op
     # (GPT-3 175B: 53.8 -> 45.5 s, dynamo 15.6 -> 6.7 s). AOTAutograd traces the backward through autograd on meta
     # tensors; nll_loss's fallback warns there, harmlessly.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
+        warnings.filterwarnings("ignore", message=".*memory_budget is checked with the dynamic sizes.*")
         torch.compile(net, backend=backend, fullgraph=True)(idx, idx)  # compiles; the dry run returns meta tensors
     (job,) = jobs
     zps = list(job.params.values())
@@ -169,6 +207,7 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         for c in sched:
             comm[kind][c["op"]] = comm[kind].get(c["op"], 0) + c["bytes"]
             cross += c.get("cross_bytes", 0)
+    fit = _max_batch(state, graphs, budget_bytes, micro, seq, gcfg.block_size) if max_batch else None
     refresh = sum(zp.padded_numel * zp.dtype.itemsize for zp in zps if zp.keeps_full and zp.stage >= Stage.OPTIMIZER)
     if refresh:
         comm["optimizer_step"] = {"all_gather": refresh}
@@ -180,8 +219,21 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         graph_peaks={k: {"inputs": v.input_bytes, "transient": v.peak_bytes, "peak_node": v.peak_node}
                      for k, v in lives.items()},
         step_peak=planner.step_peak(state, lives), comm_bytes=comm, collectives=counts,
-        budget=cfg.memory_budget_bytes(torch.device("meta")), cross_node_bytes=cross,
-        compute_itemsize=cfg.mixed_precision.param_dtype.itemsize, graphs=graphs)
+        budget=budget_bytes, cross_node_bytes=cross,
+        compute_itemsize=cfg.mixed_precision.param_dtype.itemsize, graphs=graphs,
+        activations=list(job.activation_plan), max_batch=fit)
+
+
+def _max_batch(state: planner.ModelState, graphs: dict, budget: int, micro: int, seq: int, block_size: int) -> dict:
+    """The largest micro-batch at `seq` and sequence at `micro` that fit `budget`, from the graphs' peaks as
+    expressions in the token input's two dynamic sizes."""
+    tokens = next(ph.meta["val"] for ph in graphs["forward"].graph.find_nodes(op="placeholder")
+                  if isinstance(ph.meta.get("val"), torch.Tensor) and ph.meta["val"].dtype == torch.long)
+    batch, length = (d.node.expr for d in tokens.shape)
+    candidates = [e for gm in graphs.values() for e in liveness.peak_exprs(gm)]
+    return {"micro": planner.largest_fitting(state, candidates, budget, batch, {length: seq}, 1 << 20),
+            "seq": planner.largest_fitting(state, candidates, budget, length, {batch: micro}, block_size),
+            "micro_at": micro, "seq_at": seq}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,25 +247,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, help="override the number of layers")
     ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none",
                     help="optimizer state (and at stage 3 parameter shards) in this tier")
+    ap.add_argument("--budget", help="per-rank memory budget ('70GiB', bytes): replaces the config's memory_budget; "
+                    "the planner recomputes or offloads saved activations until the step fits")
+    ap.add_argument("--max-batch", action="store_true", help="report the largest micro-batch (at --seq) and sequence "
+                    "length (at --micro) whose planned step peak fits the budget")
+    ap.add_argument("--activations", action="store_true", help="print the decision for every saved activation")
     ap.add_argument("--out", help="directory for schedule.txt, timeline.json (Chrome/Perfetto) and plan.json")
     ap.add_argument("--schedule", action="store_true", help="print every collective of the schedule")
     args = ap.parse_args(argv)
     try:
         result = plan(args.model, args.world, args.nodes, args.config, args.micro, args.seq,
-                      {"n_layer": args.layers} if args.layers else None, args.offload)
+                      {"n_layer": args.layers} if args.layers else None, args.offload, args.budget,
+                      args.max_batch)
     except zconfig.ConfigError as e:
         print(f"zcompile plan: {e}", file=sys.stderr)
         return 2
     print(result.summary())
+    if args.activations:
+        print("\n".join(result.activations[1:]))
     if args.schedule:
         print(result.schedule_text())
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "schedule.txt"), "w") as f:
             f.write(result.schedule_text())
+        with open(os.path.join(args.out, "activations.txt"), "w") as f:
+            f.write("\n".join(result.activations) + "\n")
         timeline.write_chrome_trace(os.path.join(args.out, "timeline.json"), result.graphs, 0, timeline.CostModel())
         fields = {k: v for k, v in dataclasses.asdict(result).items() if k != "graphs"}
         with open(os.path.join(args.out, "plan.json"), "w") as f:
             json.dump(fields, f, indent=1, default=str)
-        print(f"wrote {args.out}/schedule.txt, timeline.json, plan.json")
+        print(f"wrote {args.out}/schedule.txt, activations.txt, timeline.json, plan.json")
     return 0

@@ -3,7 +3,8 @@
 Forward: every tensor the graph saves for the backward (an output past the first `num_fwd_outputs`) of at least
 `offload.activation_min_bytes` is copied to the host right after it is produced (`zcompile::to_host`) and the host
 copy is what the graph returns, so the device copy dies at its last forward use instead of living until the
-backward. Backward: the matching input (same name) is marked host-resident and copied back to the device
+backward; so is every one the planner chose to offload under a `memory_budget` (`pctx.offload_saved`).
+Backward: the matching input (same name) is marked host-resident and copied back to the device
 (`zcompile::to_device`) right before its first use. Parameter shards and graph inputs are never moved here.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _offload_saved(gm: fx.GraphModule, pctx) -> None:
         if n is None or n.op == "placeholder" or not isinstance(val, torch.Tensor):
             continue
         nbytes = val.numel() * val.element_size()
-        if nbytes < min_bytes or n.name in pctx.offloaded:
+        by_config = pctx.cfg.offload.activations != Tier.NONE and nbytes >= min_bytes
+        if not (by_config or n.name in pctx.offload_saved) or n.name in pctx.offloaded:
             continue
         with graph.inserting_after(n):
             host = graph.call_function(torch.ops.zcompile.to_host.default, (n,))
@@ -52,7 +54,8 @@ def _reload_saved(gm: fx.GraphModule, pctx) -> None:
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
-    if pctx.cfg.offload.activations == Tier.NONE or pctx.kind not in ("forward", "backward"):
+    if (pctx.cfg.offload.activations == Tier.NONE and not pctx.offload_saved) or pctx.kind not in ("forward",
+                                                                                                  "backward"):
         return gm
     if pctx.kind == "forward":
         _offload_saved(gm, pctx)
