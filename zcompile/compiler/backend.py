@@ -353,11 +353,12 @@ class _GraphCompile:
         self.seed_random_ops(joint)
         # lazy graph modules: the passes change both graphs, and what runs them (regions, inductor) reads the graph,
         # so their Python code is generated only if something calls or prints them
-        def min_cut(fraction: float = 1.0):
-            # the partitioner's knapsack keeps `fraction` of the activation memory it can choose to save; on a copy:
-            # the budget's search partitions the joint graph again
-            with self.timed("partition"), _use_lazy_graph_module(True), \
-                    torch._functorch.config.patch(activation_memory_budget=fraction):
+        def min_cut(fraction: float | None = None):
+            # the partitioner's knapsack keeps `fraction` of the activation memory it can choose to save (None: as
+            # torch is configured); on a copy: the budget's search partitions the joint graph again
+            knapsack = contextlib.nullcontext() if fraction is None else \
+                torch._functorch.config.patch(activation_memory_budget=fraction)
+            with self.timed("partition"), _use_lazy_graph_module(True), knapsack:
                 fw, bw = min_cut_rematerialization_partition(fx.GraphModule(joint, placement.copy_graph(joint.graph)),
                                                              joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
                 return fw, _lazy(bw)  # the partitioner rebuilds the backward as a plain GraphModule when it reorders
