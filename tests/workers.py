@@ -667,9 +667,9 @@ def activation_budget_run(rank: int, world: int, budget: int | None, steps: int 
                           ) -> dict:
     """Issue 48's case: a 4-layer GPT-like model (vocabulary 256, 128 wide), 8 x 256 tokens per rank, stage 3,
     inductor, `budget` as memory_budget. The losses, the measured tensor peak of the last steps, the planner's
-    decisions, and by the cost model the time of the ops it recomputes and of every block's forward (what
-    checkpointing each block recomputes)."""
-    from zcompile.compiler import backend as zbackend, recompute, timeline
+    decisions, the planned step peak, and by the cost model the time of the backward's ops and of every block's
+    forward (what checkpointing each block recomputes)."""
+    from zcompile.compiler import backend as zbackend, timeline
     from zcompile.compiler.blocks import block_of
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=128))
@@ -692,8 +692,8 @@ def activation_budget_run(rank: int, world: int, budget: int | None, steps: int 
     (job,) = [j for j in zbackend._COMPILED if j.final]
     cost = timeline.CostModel.cpu()
     fw, bw = job.final["forward"], job.final["backward"]
-    block_forward_s = sum(recompute.op_seconds(n, cost) for n in fw.graph.nodes
+    block_forward_s = sum(timeline.op_seconds(n, cost) for n in fw.graph.nodes
                           if n.op == "call_function" and block_of(n))
-    backward_s = sum(recompute.op_seconds(n, cost) for n in bw.graph.nodes if n.op == "call_function")
+    backward_s = sum(timeline.op_seconds(n, cost) for n in bw.graph.nodes if n.op == "call_function")
     return {"losses": losses, "measured": measured, "decisions": zcompile.activation_decisions(),
             "backward_s": backward_s, "block_forward_s": block_forward_s, "planned": zcompile.planned_step_peak()}

@@ -8,6 +8,8 @@ frees nothing there and is not offered. planner.choose_activations picks among t
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.fx as fx
 
@@ -25,23 +27,28 @@ def options(fw: fx.GraphModule, num_fwd_outputs: int, cost: timeline.CostModel, 
             offload_min_bytes: int) -> tuple[list[ActivationChoice], list[ActivationChoice]]:
     """Per saved activation of the partitioned forward `fw`, its cheapest way out alone (with every other saved
     value kept); and those without one (kept)."""
-    saved = {n.name for n in recompute.saved_values(fw, num_fwd_outputs) if isinstance(n, fx.Node)}
+    saved_nodes = list(dict.fromkeys(n for n in recompute.saved_values(fw, num_fwd_outputs) if isinstance(n, fx.Node)))
+    saved = {n.name for n in saved_nodes}
+    # recompute.kept_storages of every other saved value, from one count instead of a scan of the graph per value
+    held = collections.Counter(recompute.storage_of(n) for n in saved_nodes if n.op != "placeholder")
+    held.pop(None, None)
     ways, kept = [], []
     for node in recompute.saved_tensors(fw, num_fwd_outputs):
         shape, size = tuple(node.meta["val"].shape), recompute.nbytes(node)
         found = []
-        others = recompute.kept_storages(fw, saved - {node.name})
+        mine = recompute.storage_of(node)
+        others = {s for s, k in held.items() if k > (s == mine)}
         rc = recompute.chain(fw, node, saved - {node.name}, others)
         # a storage another saved value keeps (a view's base) is freed by neither, and costs nothing to save
-        freed = 0 if rc is None or recompute._storage(node) in others else \
-            size - sum(recompute.nbytes(n) for n in rc.leaves if recompute._storage(n) not in others)
+        freed = 0 if rc is None or recompute.storage_of(node) in others else \
+            size - sum(recompute.nbytes(n) for n in rc.leaves if recompute.storage_of(n) not in others)
         if freed > 0:
             extra = f"; saves {', '.join(n.name for n in rc.leaves)} instead" if rc.leaves else ""
             found.append(ActivationChoice(
-                node.name, shape, size, "recompute", sum(recompute.op_seconds(n, cost) for n in rc.ops),
+                node.name, shape, size, "recompute", sum(timeline.op_seconds(n, cost) for n in rc.ops),
                 f"{len(rc.ops)} op(s) ending {', '.join(n.name for n in rc.ops[-3:])}{extra}",
                 _group(node, "recompute", len(rc.ops)), freed))
-        if device.type != "cpu" and size >= offload_min_bytes and recompute._storage(node) not in others:
+        if device.type != "cpu" and size >= offload_min_bytes and recompute.storage_of(node) not in others:
             found.append(ActivationChoice(node.name, shape, size, "offload", 2 * size / cost.host_bytes_per_s,
                                           "to the host after the forward, back before its first use",
                                           _group(node, "offload", 0), size))
@@ -66,7 +73,7 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, chosen: 
                                         if isinstance(n, fx.Node)} - offload)
     nodes = {n.name: n for n in fw.graph.nodes}
     return [c for c in chosen if (c.name in done if c.action == "recompute" else
-                                  c.name in nodes and recompute._storage(nodes[c.name]) not in held)], seconds
+                                  c.name in nodes and recompute.storage_of(nodes[c.name]) not in held)], seconds
 
 
 def report(every: list[ActivationChoice], chosen: list[ActivationChoice], recompute_s: float, peak: int,
@@ -93,15 +100,15 @@ def report(every: list[ActivationChoice], chosen: list[ActivationChoice], recomp
 def partition_report(fw: fx.GraphModule, bw: fx.GraphModule, fw_b: fx.GraphModule, bw_b: fx.GraphModule,
                      num_fwd_outputs: int, fraction: float, cost: timeline.CostModel, peak: int, planned: int,
                      budget: int) -> list[str]:
-    """plan_partition's decisions: what the partitioner's knapsack at `fraction` (`fw_b`, `bw_b`) no longer saves
-    against the default partition (`fw`, `bw`), what it saves instead, and the backward's added time by the cost
-    model. A summary line, then one line per saved activation of either, as report() gives them."""
+    """The knapsack's decisions (backend._knapsack_partition): what it no longer saves at `fraction` (`fw_b`,
+    `bw_b`) against the default partition (`fw`, `bw`), what it saves instead, and the backward's added time by the
+    cost model. A summary line, then one line per saved activation of either, as report() gives them."""
     f = liveness.fmt
     before = {n.name: n for n in recompute.saved_tensors(fw, num_fwd_outputs)}
     after = {n.name: n for n in recompute.saved_tensors(fw_b, num_fwd_outputs)}
 
     def seconds(gm):
-        return sum(recompute.op_seconds(n, cost) for n in gm.graph.nodes if n.op == "call_function")
+        return sum(timeline.op_seconds(n, cost) for n in gm.graph.nodes if n.op == "call_function")
 
     added = seconds(bw_b) - seconds(bw)
     dropped = [n for name, n in before.items() if name not in after]

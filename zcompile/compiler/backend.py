@@ -48,7 +48,7 @@ from zcompile.compiler.topology import Topology
 from zcompile.config import Stage, Tier
 
 _graph_ids = itertools.count()  # numbers graphs in dumps and messages, per process
-# plan_partition: the fractions of saved activation memory the partitioner's knapsack is asked to keep, in order
+# _knapsack_partition: the fractions of saved activation memory the partitioner's knapsack is asked to keep, in order
 PARTITION_FRACTIONS = (0.5, 0.25, 0.12, 0.06, 0.03)
 
 
@@ -162,78 +162,69 @@ class _GraphCompile:
                  for kind, gm in graphs.items()}
         return planner.step_peak(planner.model_state(list(self.params.values())), lives)
 
-    def plan_partition(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut) -> tuple:
-        """With a memory budget the step does not fit, partition again with the partitioner's own recompute
-        knapsack (`activation_memory_budget`, over the whole joint graph), keeping the largest fraction of saved
-        activation memory whose planned step peak fits (PARTITION_FRACTIONS, then halving the gap once). Returns
-        the forward and backward, and where no fraction fits, the one with the lowest peak (fraction, forward,
-        backward, peak) for plan_activations to start from, else None."""
+    def plan_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut=None
+                         ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """With a memory budget the step does not fit, recompute (or, on an accelerator, offload) saved
+        activations until it fits. First, where `min_cut(fraction)` can partition the whole joint graph again, the
+        partitioner's own recompute knapsack (_knapsack_partition); where no fraction fits, zcompile's rewrite
+        (_rewrite_activations: per saved activation keep, recompute or offload, the cheapest per byte first), from
+        the knapsack's partition that came closest, then, where that does not fit, from `fw` and `bw`. Returns the
+        forward and backward to go on with."""
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         if budget is None or not self.cfg.plan_activations:
-            return fw, bw, None
-        with self.timed("activation plan"):
-            peak = self.trial_peak({"forward": fw, "backward": bw})
-            if peak <= budget:
-                return fw, bw, None
-            fits, over, lowest = None, 1.0, None
-            for fraction in PARTITION_FRACTIONS:
-                f, b = min_cut(fraction)
-                p = self.trial_peak({"forward": f, "backward": b})
-                if p <= budget:
-                    fits = (fraction, f, b, p)
-                    break
-                over = fraction
-                if p < peak and (lowest is None or p < lowest[3]):
-                    lowest = (fraction, f, b, p)
-            if fits is None:  # below some fraction the knapsack's peak rises again
-                return fw, bw, lowest
-            middle = (fits[0] + over) / 2
-            f, b = min_cut(middle)
-            p = self.trial_peak({"forward": f, "backward": b})
-            if p <= budget:
-                fits = (middle, f, b, p)
-            fraction, f, b, planned = fits
-            self.activation_plan = activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs, fraction,
-                                                                    self.cost_model(), peak, planned, budget)
-        self.notes.append(self.activation_plan[0])
-        self.dump.text("activations", self.activation_plan)
-        return f, b, None
-
-    def plan_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, knapsack: tuple | None = None
-                         ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """With a memory budget the step does not fit, choose per saved activation to keep it, recompute it in the
-        backward or (on an accelerator) offload it to the host: planner.choose_activations over each one's cheapest
-        way out by the cost model, measured on the rewritten graphs. First from the knapsack's partition that came
-        closest (`knapsack`, from plan_partition), then, where that does not fit, from `fw` and `bw`. Returns the
-        rewritten forward and backward."""
-        budget = self.cfg.memory_budget_bytes(self.ctx.device)
-        if budget is None or not self.cfg.plan_activations or self.activation_plan:
             return fw, bw
+        cost = self.cost_model()
         with self.timed("activation plan"):
             peak = self.trial_peak({"forward": fw, "backward": bw})
             if peak <= budget:
                 return fw, bw
-            starts = ([knapsack] if knapsack is not None else []) + [(None, fw, bw, peak)]
-            for fraction, f, b, start_peak in starts:
-                chosen, seconds, planned, every = self._rewrite_activations(f, b, budget)
-                if planned <= budget:
-                    break
-        self.offload_saved = frozenset(c.name for c in chosen if c.action == "offload")
-        self.activation_plan = activation_plan.report(every, chosen, seconds, start_peak, planned, budget)
-        if fraction is not None:  # on the knapsack's partition
-            self.activation_plan[0] += (f"; from the partitioner's recompute knapsack at activation_memory_budget "
-                                        f"{fraction:.3g} (planned step peak {liveness.fmt(peak)} with every saved "
-                                        "activation kept)")
-            self.activation_plan += activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs, fraction,
-                                                                     self.cost_model(), peak, start_peak, budget)
+            fits, closest = self._knapsack_partition(min_cut, peak, budget) if min_cut else (None, None)
+            if fits is not None:
+                fraction, f, b, planned = fits
+                self.activation_plan = activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs,
+                                                                        fraction, cost, peak, planned, budget)
+            else:
+                for fraction, f, b, start_peak in ([closest] if closest else []) + [(None, fw, bw, peak)]:
+                    chosen, seconds, planned, every = self._rewrite_activations(f, b, budget)
+                    if planned <= budget:
+                        break
+                self.offload_saved = frozenset(c.name for c in chosen if c.action == "offload")
+                self.activation_plan = activation_plan.report(every, chosen, seconds, start_peak, planned, budget)
+                if fraction is not None:  # on the knapsack's partition
+                    self.activation_plan[0] += (f"; from the partitioner's recompute knapsack at "
+                                                f"activation_memory_budget {fraction:.3g} (planned step peak "
+                                                f"{liveness.fmt(peak)} with every saved activation kept)")
+                    self.activation_plan += activation_plan.partition_report(
+                        fw, bw, f, b, self.num_fwd_outputs, fraction, cost, peak, start_peak, budget)
         where = f" (each decision: graph{self.graph_id}_activations.txt)" if self.dump.dir else ""
         self.notes.append(self.activation_plan[0] + where)
         self.dump.text("activations", self.activation_plan)
         return f, b
 
+    def _knapsack_partition(self, min_cut, peak: int, budget: int) -> tuple:
+        """The partitioner's knapsack (`activation_memory_budget`): the largest of PARTITION_FRACTIONS whose
+        planned step peak fits, refined once halfway to the next larger one, as (fraction, forward, backward, peak);
+        and where none fits, None and the one with the lowest peak below `peak` (or None)."""
+        fits, over, closest = None, 1.0, None
+        for fraction in PARTITION_FRACTIONS:
+            f, b = min_cut(fraction)
+            p = self.trial_peak({"forward": f, "backward": b})
+            if p <= budget:
+                fits = (fraction, f, b, p)
+                break
+            over = fraction
+            if p < (closest[3] if closest else peak):  # below some fraction the knapsack's peak rises again
+                closest = (fraction, f, b, p)
+        if fits is None:
+            return None, closest
+        middle = (fits[0] + over) / 2
+        f, b = min_cut(middle)
+        p = self.trial_peak({"forward": f, "backward": b})
+        return ((middle, f, b, p) if p <= budget else fits), None
+
     def _rewrite_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, budget: int) -> tuple:
-        """plan_activations on one partition, rewritten in place: (choices made, seconds they add, planned peak,
-        every saved activation's choice or keep)."""
+        """zcompile's rewrite on one partition, in place: (choices made, seconds they add, planned peak, every
+        saved activation's choice or keep)."""
         n_out, cost = self.num_fwd_outputs, self.cost_model()
         options, kept = activation_plan.options(fw, n_out, cost, self.ctx.device, self.cfg.offload.activation_min_bytes)
 
@@ -368,10 +359,8 @@ class _GraphCompile:
             with self.timed("inline regions"):  # with a fake propagation of the forward (inline_partitioned)
                 block_regions.inline_partitioned(fw, bw, num_fwd_outputs)
         self.num_fwd_outputs = num_fwd_outputs
-        knapsack = None
-        if not self.regions_kept:  # the whole joint graph is here: the partitioner itself can trade
-            fw, bw, knapsack = self.plan_partition(fw, bw, min_cut)
-        fw, bw = self.plan_activations(fw, bw, knapsack)
+        # where the blocks were inlined the whole joint graph is here: the partitioner itself can trade
+        fw, bw = self.plan_activations(fw, bw, None if self.regions_kept else min_cut)
         self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
         bw, self.bw_pctx = self.split_passes(bw, "backward")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -220,7 +221,6 @@ def analyze(gm: fx.GraphModule) -> Liveness:
 
 
 def _size_expr(t: torch.Tensor):
-    import sympy
     n = t.untyped_storage().nbytes()
     return n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))
 
@@ -232,7 +232,6 @@ def peak_exprs(gm: fx.GraphModule) -> list:
     a node allocates are never negative)."""
     nodes, storages_of, size, inputs, host, frees = _lifetimes(gm, _size_expr)
     at, _ = _live(nodes, storages_of, size, inputs, host, frees)
-    import sympy
     base = sum((size[k] for k in inputs), start=sympy.Integer(0))
     tops = [at[k] for k in range(len(at)) if k + 1 == len(at) or frees.get(k)]
     return list(dict.fromkeys(base + e for e in tops))

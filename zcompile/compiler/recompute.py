@@ -62,11 +62,7 @@ def nbytes(node: fx.Node) -> int:
     return sum(int(t.untyped_storage().nbytes()) for t in liveness._tensors(node.meta.get("val")))
 
 
-def op_seconds(node: fx.Node, cost: timeline.CostModel) -> float:
-    return max(timeline.node_flops(node) / cost.flops_per_s, timeline._out_bytes(node) / cost.mem_bytes_per_s)
-
-
-def _storage(node: fx.Node):
+def storage_of(node: fx.Node):
     val = node.meta.get("val")
     return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
 
@@ -74,7 +70,7 @@ def _storage(node: fx.Node):
 def kept_storages(fw: fx.GraphModule, received: set[str]) -> set:
     """The storages the computed values in `received` keep alive (a saved view keeps its base's). Not the inputs':
     a parameter reaches the backward as a shard, whatever the forward's whole copy was."""
-    return {_storage(n) for n in fw.graph.nodes if n.name in received and n.op != "placeholder"} - {None}
+    return {storage_of(n) for n in fw.graph.nodes if n.name in received and n.op != "placeholder"} - {None}
 
 
 def _must_recompute(node: fx.Node) -> bool:
@@ -103,7 +99,7 @@ def chain(fw: fx.GraphModule, node: fx.Node, received: set[str], kept: set | Non
                 continue
             is_tensor = isinstance(a.meta.get("val"), torch.Tensor)
             other_block = block is not None and block_of(a) not in (None, block)
-            leaf = a.op == "placeholder" or not _recomputable(a) or other_block or _storage(a) in kept
+            leaf = a.op == "placeholder" or not _recomputable(a) or other_block or storage_of(a) in kept
             if is_tensor and leaf and (a.op == "placeholder" or not _must_recompute(a)):
                 leaves.add(a)
             elif a.op == "placeholder" or not _recomputable(a):
@@ -139,9 +135,9 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, names: s
             else:
                 chains[t] = found
         if not changed:  # a value whose storage stays alive anyway (its base is saved for another) is kept
-            alive = kept | {_storage(leaf) for t, c in chains.items() if t.name not in received for leaf in c.leaves}
+            alive = kept | {storage_of(leaf) for t, c in chains.items() if t.name not in received for leaf in c.leaves}
             for t in targets:
-                if t.name not in received and _storage(t) in alive:
+                if t.name not in received and storage_of(t) in alive:
                     received.add(t.name)
                     changed = True
     chains = {t: c for t, c in chains.items() if t.name not in received}
@@ -176,13 +172,13 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, names: s
                 env[n] = bw.graph.node_copy(n, lambda a: env[a])
             env[n].meta["zc_recomputed"] = n.name
             env[n].meta["zc_note"] = f"recomputed for saved activation {t.name}"
-            seconds += op_seconds(n, cost)
+            seconds += timeline.op_seconds(n, cost)
     for k, v in enumerate(saved):
         if v in chains:
             if v in env:
                 inputs[k].replace_all_uses_with(env[v])
             bw.graph.erase_node(inputs[k])
-    kept = [v for v in saved if v not in chains]
-    out.args = (type(out.args[0])(values[:num_fwd_outputs] + new_leaves + kept),)
+    still_saved = [v for v in saved if v not in chains]
+    out.args = (type(out.args[0])(values[:num_fwd_outputs] + new_leaves + still_saved),)
     fw.graph.eliminate_dead_code()
     return {t.name for t in chains}, seconds

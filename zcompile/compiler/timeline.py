@@ -45,6 +45,11 @@ def node_flops(node: fx.Node) -> int:
         return 0
 
 
+def op_seconds(node: fx.Node, cost: CostModel) -> float:
+    """A compute node's time: max(FLOPs / flops_per_s, bytes it writes / mem_bytes_per_s)."""
+    return max(node_flops(node) / cost.flops_per_s, _out_bytes(node) / cost.mem_bytes_per_s)
+
+
 def _op_name(node: fx.Node) -> str:
     packet = getattr(node.target, "overloadpacket", None)
     return getattr(packet, "__name__", None) or getattr(node.target, "__name__", str(node.target))
@@ -76,11 +81,10 @@ def simulate(gm: fx.GraphModule, cost: CostModel, start_s: float = 0.0) -> tuple
                                "args": {"node": node.name, "stalled_s": done - t_compute}})
                 t_compute = done
         else:
-            flops = node_flops(node)
-            dur = max(flops / cost.flops_per_s, _out_bytes(node) / cost.mem_bytes_per_s)
+            dur = op_seconds(node, cost)
             if dur > 0:
                 events.append({"lane": "compute", "name": _op_name(node), "start": t_compute, "dur": dur,
-                               "args": {"node": node.name, "flops": flops}})
+                               "args": {"node": node.name, "flops": node_flops(node)}})
                 t_compute += dur
     return events, max(t_compute, t_comm)
 

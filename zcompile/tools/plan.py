@@ -94,15 +94,18 @@ class Plan:
         lines.append(f"planned per-rank peak: {f(self.step_peak)}{fits}")
         if self.max_batch:
             m = self.max_batch
-            for what, key in (("micro-batch", "micro"), ("sequence length", "seq")):
+            for what, key, at in (("micro-batch", "micro", f"sequence {m['seq_at']}"),
+                                  ("sequence length", "seq", f"micro-batch {m['micro_at']}")):
                 value, peak, above = m[key]
-                at = f"sequence {m['seq_at']}" if key == "micro" else f"micro-batch {m['micro_at']}"
-                lines.append(f"largest {what} that fits {f(self.budget)} at {at}: {value}"
-                             + (f" (planned peak {f(peak)}" if peak is not None else " (")
-                             + (f"; {value + 1}: {f(above)})" if above is not None else
-                                f"; the model's limit{')' if peak is not None else ''}")
-                             + (" -- from the graphs' sizes as expressions in the batch and sequence; every saved "
-                                "activation kept" if key == "micro" else ""))
+                if peak is None:
+                    detail = f"1 plans {f(above)}"
+                elif above is None:
+                    detail = f"planned peak {f(peak)}; the model's limit"
+                else:
+                    detail = f"planned peak {f(peak)}; {value + 1}: {f(above)}"
+                lines.append(f"largest {what} that fits {f(self.budget)} at {at}: {value} ({detail})")
+            lines[-2] += (" -- from the graphs' sizes as expressions in the batch and sequence; every saved activation "
+                          "kept")
         per_op: dict = {}
         for ops in self.comm_bytes.values():
             for op, b in ops.items():
