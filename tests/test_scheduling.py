@@ -50,6 +50,68 @@ def test_liveness_is_alias_aware():
     assert live.live_after[-1][1] == 4  # only the scalar output survives
 
 
+def _fake_graph(f, *shapes):
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    with FakeTensorMode() as mode:
+        xs = [torch.empty(*s) for s in shapes]
+        gm = make_fx(f, tracing_mode="fake")(*xs)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*xs)
+    return gm
+
+
+def test_liveness_counts_what_inductor_writes():
+    """Compiled by inductor, an elementwise value read only by elementwise ops is computed inside their kernel (no
+    buffer), its inputs live until that kernel reads them, and a kernel's output takes the buffer of a same-size
+    input of its graph that dies there."""
+    def f(a, w):
+        h = a @ w                       # 64 KiB, extern (a matmul)
+        g = h * 0.5 * (1 + torch.tanh(h))  # three elementwise steps: one kernel, one 64 KiB output
+        return (g @ w.t()).sum()        # g is read by a matmul: written
+    gm = _fake_graph(f, (128, 128), (128, 128))
+    eager = liveness.analyze(gm)
+    liveness.compiled_by_inductor(gm, regional=False)
+    fused = liveness.analyze(gm)
+    kb = 64 * 1024
+    assert eager.peak_bytes >= 3 * kb  # h, a temporary and another: every op's output is a buffer
+    # h (matmul output) dies in the kernel writing g: g takes its buffer; then g @ w.t() adds its output
+    assert fused.peak_bytes == 2 * kb, (eager.peak_bytes, fused.peak_bytes)
+    mul = next(n for n in gm.graph.nodes if n.name.startswith("mul"))
+    from zcompile.compiler import inductor_buffers
+    assert mul in inductor_buffers.kernels(gm, False).unwritten
+
+
+def test_liveness_extends_inputs_to_the_kernel_that_reads_them():
+    def f(a, b):
+        x = a @ b                 # 64 KiB
+        y = a @ b.t()             # 64 KiB
+        t = x * 2                 # read only by the kernel of u: computed there, so x lives until u
+        u = (t + y).relu()        # written (read by the matmul); takes x's or y's buffer
+        return (u @ b).sum()
+    gm = _fake_graph(f, (128, 128), (128, 128))
+    liveness.compiled_by_inductor(gm, regional=False)
+    live = liveness.analyze(gm)
+    kb = 64 * 1024
+    after = dict(live.live_after)
+    assert after["mul"] == 2 * kb  # x is not freed at t (no buffer): the kernel of u reads it
+    assert after["relu"] == kb  # u took the buffer of x or y, which both died there
+    assert live.peak_bytes == 2 * kb
+
+
+def test_saved_activations_the_backward_releases_count_as_transients():
+    def f(saved, w):
+        g = saved @ w             # the saved activation dies here
+        return (g @ w).sum()
+    gm = _fake_graph(f, (128, 128), (128, 128))
+    kb = 64 * 1024
+    held = liveness.analyze(gm)
+    assert (held.input_bytes, held.peak_bytes) == (2 * kb, 2 * kb)  # g and g @ w
+    saved = next(iter(gm.graph.find_nodes(op="placeholder")))
+    liveness.mark_released(gm, {saved.name})
+    released = liveness.analyze(gm)
+    assert (released.input_bytes, released.saved_bytes) == (kb, kb)
+    assert released.peak_bytes == 2 * kb  # saved + g, then g + g @ w: the saved tensor is gone by then
+
+
 @pytest.mark.parametrize("bucket_mb, prefetch", [(0, 0), (0, 2), (0.05, 1), (25, 1), (25, 0)])
 def test_bucketing_and_prefetch_keep_parity(bucket_mb, prefetch, tmp_path):
     ref_params, _ = workers.reference("gpt", 2, steps=5)

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
 from zcompile.compiler import activation_plan, aot_graph_logs, before_trace, block_regions, fake_values, graph_cache
-from zcompile.compiler import trace_blocks_once
+from zcompile.compiler import recompute, trace_blocks_once
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext
@@ -50,6 +50,7 @@ from zcompile.config import Stage, Tier
 _graph_ids = itertools.count()  # numbers graphs in dumps and messages, per process
 # _knapsack_partition: the fractions of saved activation memory the partitioner's knapsack is asked to keep, in order
 PARTITION_FRACTIONS = (0.5, 0.25, 0.12, 0.06, 0.03)
+PARTITION_REFINE = 3  # bisection steps between the fraction that fits and the next larger one
 
 
 def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
@@ -135,8 +136,31 @@ class _GraphCompile:
     def split_passes(self, gm: fx.GraphModule, kind: str, trial: dict | None = None,
                      offload_saved: frozenset | None = None) -> tuple[fx.GraphModule, PassContext]:
         """`trial`: a scratch record of offloaded activations for a trial run on copies (nothing is kept), which
-        may offload the saved activations `offload_saved` instead of the planner's."""
+        may offload the saved activations `offload_saved` instead of the planner's. The graph to keep, over a
+        memory budget, is split again with the bucket cap halved until it fits (a bucket's members are alive
+        together) or no bucket holds two collectives."""
+        budget = self.cfg.memory_budget_bytes(self.ctx.device) if trial is None else None
+        original = placement.copy_graph(gm.graph) if budget is not None and self.cfg.bucket_mb > 0 else None
+        cap = None
+        while True:
+            gm, pctx = self._split_once(gm, kind, trial, offload_saved, cap)
+            if original is None or cap == 0 or (cap is None and not pctx.bucketed):
+                return gm, pctx
+            peak = planner.step_peak(planner.model_state(list(self.params.values())), {kind: liveness.analyze(gm)})
+            if peak <= budget:
+                return gm, pctx
+            # no bucket left to split: none at all (a bucket of one still copies its member through a flat buffer)
+            cap = (self.cfg.bucket_mb * 2**20 if cap is None else cap) / 2 if pctx.bucketed else 0.0
+            self.notes.append(f"bucket_collectives: the {kind} planned a step peak of {liveness.fmt(peak)}, over "
+                              f"memory_budget {liveness.fmt(budget)}: split again with "
+                              + (f"buckets of up to {liveness.fmt(cap)}" if cap else "one collective per parameter"))
+            gm = fx.GraphModule(gm, placement.copy_graph(original))
+
+    def _split_once(self, gm: fx.GraphModule, kind: str, trial: dict | None, offload_saved: frozenset | None,
+                    cap: float | None) -> tuple[fx.GraphModule, PassContext]:
         pctx = self.pctx(kind, trial, offload_saved)
+        pctx.bucket_bytes = cap
+        self.mark_compiler(gm)
         if trial is None:
             gm.meta["zc_notes"] = list(self.notes)
             self.dump(kind, "input", gm)
@@ -157,10 +181,22 @@ class _GraphCompile:
         """The planned step peak of `graphs` (kind -> graph), from the split passes run on copies of them
         (parameters not yet decided whole count as sharded)."""
         scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
-        lives = {kind: liveness.analyze(self.split_passes(fx.GraphModule(gm, placement.copy_graph(gm.graph)), kind,
-                                                          trial=scratch, offload_saved=offload_saved)[0])
-                 for kind, gm in graphs.items()}
+        copies = {kind: fx.GraphModule(gm, placement.copy_graph(gm.graph)) for kind, gm in graphs.items()}
+        self.mark_released(copies)
+        lives = {kind: liveness.analyze(self.split_passes(gm, kind, trial=scratch, offload_saved=offload_saved)[0])
+                 for kind, gm in copies.items()}
         return planner.step_peak(planner.model_state(list(self.params.values())), lives)
+
+    def mark_compiler(self, gm: fx.GraphModule) -> None:
+        """Liveness counts what the graph's compiler writes to memory: inductor's kernels keep values in registers."""
+        if self.cfg.backend == "inductor":
+            liveness.compiled_by_inductor(gm, self.cfg.regional_compile)
+
+    def mark_released(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """The backward frees the saved activations only it holds after their last use (liveness.mark_released)."""
+        if "forward" in graphs and "backward" in graphs:
+            liveness.mark_released(graphs["backward"], recompute.released_saved(graphs["forward"],
+                                                                                self.num_fwd_outputs))
 
     def plan_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut=None
                          ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -203,8 +239,9 @@ class _GraphCompile:
 
     def _knapsack_partition(self, min_cut, peak: int, budget: int) -> tuple:
         """The partitioner's knapsack (`activation_memory_budget`): the largest of PARTITION_FRACTIONS whose
-        planned step peak fits, refined once halfway to the next larger one, as (fraction, forward, backward, peak);
-        and where none fits, None and the one with the lowest peak below `peak` (or None)."""
+        planned step peak fits, then bisected PARTITION_REFINE times toward the next larger one (the peak is not
+        monotone in the fraction: this finds a boundary, not the largest fraction that fits), as (fraction, forward,
+        backward, peak); and where none fits, None and the one with the lowest peak below `peak` (or None)."""
         fits, over, closest = None, 1.0, None
         for fraction in PARTITION_FRACTIONS:
             f, b = min_cut(fraction)
@@ -217,10 +254,15 @@ class _GraphCompile:
                 closest = (fraction, f, b, p)
         if fits is None:
             return None, closest
-        middle = (fits[0] + over) / 2
-        f, b = min_cut(middle)
-        p = self.trial_peak({"forward": f, "backward": b})
-        return ((middle, f, b, p) if p <= budget else fits), None
+        for _ in range(PARTITION_REFINE):
+            middle = (fits[0] + over) / 2
+            f, b = min_cut(middle)
+            p = self.trial_peak({"forward": f, "backward": b})
+            if p <= budget:
+                fits = (middle, f, b, p)
+            else:
+                over = middle
+        return fits, None
 
     def _rewrite_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, budget: int) -> tuple:
         """zcompile's rewrite on one partition, in place: (choices made, seconds they add, planned peak, every
@@ -307,8 +349,10 @@ class _GraphCompile:
         g = lives[worst]
         msg = (f"{self.cfg.source}: planned step peak {liveness.fmt(peak)} per rank exceeds memory_budget "
                f"{liveness.fmt(budget)}: gradients {liveness.fmt(state.grad)} + optimizer state "
-               f"{liveness.fmt(state.optim)} + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, saved "
-               f"activations) + transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}. Offload moves "
+               f"{liveness.fmt(state.optim)} + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, batch) "
+               f"+ transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}"
+               + (f" (with the saved activations, {liveness.fmt(g.saved_bytes)} at the backward's start)"
+                  if g.saved_bytes else "") + ". Offload moves "
                "state off the device: offload.optimizer (cpu/nvme), offload.params (cpu/nvme, stage 3), "
                "offload.activations (cpu); tiling splits large linears")
         if self.activation_plan:
@@ -361,6 +405,7 @@ class _GraphCompile:
         self.num_fwd_outputs = num_fwd_outputs
         # where the blocks were inlined the whole joint graph is here: the partitioner itself can trade
         fw, bw = self.plan_activations(fw, bw, None if self.regions_kept else min_cut)
+        self.mark_released({"forward": fw, "backward": bw})
         self.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
         bw, self.bw_pctx = self.split_passes(bw, "backward")
@@ -426,6 +471,7 @@ class _GraphCompile:
         if not fake_values.hold_for(phs, fake_inputs):
             with self.timed("fake propagation"):
                 fake_values.refresh(gm, fake_inputs)
+        self.mark_compiler(gm)
         with self.timed("liveness"):
             planned = self.planned[kind] = liveness.analyze(gm)
         if not self.commit:
@@ -470,6 +516,7 @@ class _GraphCompile:
         pctx.own_placeholders = set(record["own_placeholders"])
         self.final[kind] = gm
         fake_inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+        self.mark_compiler(gm)
         with self.timed("liveness"):
             planned = self.planned[kind] = liveness.analyze(gm)
         return self.commit_graph(kind, gm, fake_inputs, pctx, planned)
@@ -512,8 +559,9 @@ class _GraphCompile:
             collective_traffic.count(sched)
             if reads:
                 offload_engine.start_reads(read_ahead)
-            if side:
-                args = list(args)
+            if side:  # a longer list, and the caller's cleared: the graph frees its inputs after their last use
+                args, given = list(args), args
+                given.clear()
                 args.extend(s.value() for s in side)
             if memory_trace.RUNS is not None:
                 out = memory_trace.run_measured(compiled, args, self.graph_id, kind, planned)

@@ -51,7 +51,9 @@ def schedule_text(kind: str, gm: fx.GraphModule) -> str:
     total = sum(c["bytes"] for c in sched)
     live = liveness.analyze(gm)
     out = [f"== {kind}: {len(sched)} collectives, {_fmt_bytes(total)} ({total} bytes); planned transient peak "
-           f"{liveness.fmt(live.peak_bytes)} after {live.peak_node}, inputs {liveness.fmt(live.input_bytes)}"]
+           f"{liveness.fmt(live.peak_bytes)} after {live.peak_node}, inputs {liveness.fmt(live.input_bytes)}"
+           + (f", saved activations {liveness.fmt(live.saved_bytes)} (freed after their last use, counted in the "
+              "transients)" if live.saved_bytes else "")]
     by_op: dict = {}
     for c in sched:
         b, x = by_op.get(c["op"], (0, 0))

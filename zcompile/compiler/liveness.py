@@ -2,9 +2,11 @@
 
 Tensors are tracked by storage (views share their base's storage, so they cost nothing extra); a storage is
 allocated by the first node that produces it and freed after the last node that reads any tensor on it, or, for a
-collective's input, after the collective's wait. Graph inputs are counted apart (they are held by the caller);
-graph outputs live past the end. Tensors in host memory (offload: nodes and placeholders marked `zc_tier`) are not
-device memory and are not counted.
+collective's input, after the collective's wait. Graph inputs are counted apart (they are held by the caller),
+except the backward's saved activations marked `zc_released` (mark_released): autograd hands them over and drops its
+own references, so they are freed after their last use like any intermediate. Graph outputs live past the end. Tensors in host memory (offload: nodes and placeholders marked `zc_tier`) are not
+device memory and are not counted, nor, in a graph inductor compiles, the values its kernels never write to memory
+(inductor_buffers).
 """
 from __future__ import annotations
 
@@ -16,7 +18,20 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zcompile.compiler import collectives
+from zcompile.compiler import collectives, inductor_buffers
+
+
+RELEASED = "zc_released"  # placeholder meta: a saved activation the graph frees after its last use
+INDUCTOR = "zc_inductor"  # graph meta: compiled by inductor, its value whether in regions (compiled_by_inductor)
+
+
+def mark_released(bw: fx.GraphModule, names) -> None:
+    """Mark the backward's placeholders `names` (saved activations nothing but autograd holds) as freed after their
+    last use: every zcompile graph runner takes its inputs boxed and clears the list (inductor, regions, eager's
+    boxed FX code), and AOTAutograd clears the saved tensors before the call (not under retain_graph=True)."""
+    for ph in bw.graph.find_nodes(op="placeholder"):
+        if ph.name in names:
+            ph.meta[RELEASED] = True
 
 
 def fmt(n: float) -> str:
@@ -33,6 +48,7 @@ class Liveness:
     peak_bytes: int
     peak_node: str
     input_bytes: int
+    saved_bytes: int = 0  # of the transients, the saved activations the graph receives and frees (mark_released)
 
 
 def _tensors(val) -> list[torch.Tensor]:
@@ -137,15 +153,23 @@ def gloo_copy_bytes(node: fx.Node) -> int:
     return _nbytes(node.args[0].meta["val"])
 
 
+def compiled_by_inductor(gm: fx.GraphModule, regional: bool | str) -> None:
+    """Mark `gm` as compiled by inductor (in regions per block when `regional`): what inductor computes inside its
+    kernels is then not counted (inductor_buffers)."""
+    gm.meta[INDUCTOR] = regional
+
+
 def _lifetimes(gm: fx.GraphModule, sizer) -> tuple[list, dict, dict, set, set, dict]:
     """(nodes, storages per node, size per storage by `sizer`, input storages, host storages, frees per node)."""
     nodes = list(gm.graph.nodes)
+    kernels = inductor_buffers.kernels(gm, gm.meta[INDUCTOR]) if INDUCTOR in gm.meta else None
+    unwritten = kernels.unwritten if kernels else set()
     storages_of: dict[fx.Node, list] = {}
     size: dict = {}
     inputs: set = set()
     host: set = set()
     for n in nodes:
-        if n.op == "output":  # allocates nothing; its value repeats its inputs' (as fresh fake tensors)
+        if n.op == "output" or n in unwritten:  # output: its value repeats its inputs' (as fresh fake tensors)
             storages_of[n] = []
             continue
         src = _alias_source(n)
@@ -159,16 +183,26 @@ def _lifetimes(gm: fx.GraphModule, sizer) -> tuple[list, dict, dict, set, set, d
             keys.append(key)
             if n.meta.get("zc_tier") in ("cpu", "nvme"):
                 host.add(key)
-            elif n.op == "placeholder":
+            elif n.op == "placeholder" and not n.meta.get(RELEASED):
                 inputs.add(key)
         storages_of[n] = keys
+    read_through: dict[fx.Node, list] = {}  # an unwritten value's kernel reads its inputs where it is read
+
+    def reads(a: fx.Node) -> list:
+        if a not in unwritten:
+            return [a]
+        if a not in read_through:
+            read_through[a] = [b for x in a.all_input_nodes for b in reads(x)]
+        return read_through[a]
+
     last_use: dict = {}
     for k, n in enumerate(nodes):
         for key in storages_of[n]:
             last_use[key] = max(last_use.get(key, k), k)
         for a in n.all_input_nodes:
-            for key in storages_of.get(a, []):
-                last_use[key] = k
+            for b in reads(a):
+                for key in storages_of.get(b, []):
+                    last_use[key] = max(last_use.get(key, k), k)
     position = {n: k for k, n in enumerate(nodes)}
     for n in nodes:
         if input_held_until_wait(n):
@@ -185,10 +219,39 @@ def _lifetimes(gm: fx.GraphModule, sizer) -> tuple[list, dict, dict, set, set, d
     for a in gm.graph.output_node().all_input_nodes:
         for key in storages_of.get(a, []):
             last_use[key] = len(nodes)
+    if kernels:
+        _write_in_place(nodes, storages_of, size, inputs | host, last_use, reads, kernels)
     frees: dict[int, list] = {}
     for key, k in last_use.items():
         frees.setdefault(k, []).append(key)
     return nodes, storages_of, size, inputs, host, frees
+
+
+def _write_in_place(nodes, storages_of, size, held, last_use, reads, kernels) -> None:
+    """Inductor writes a kernel's output over an input buffer of its own graph that dies there, of the same size
+    and dtype: the output takes that storage (its lifetime extended) instead of a new one."""
+    taken: set = set()
+
+    def dying_input(k: int, n: fx.Node):
+        mine, dtype = storages_of[n][0], n.meta["val"].dtype
+        for b in (b for a in n.all_input_nodes for b in reads(a)):
+            val = b.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dtype != dtype or not kernels.same_compiled_region(b, n):
+                continue
+            for key in storages_of.get(b, []):
+                if (key not in held and key not in taken and key != mine and last_use.get(key) == k
+                        and size[key] == size[mine]):
+                    return key
+        return None
+
+    for k, n in enumerate(nodes):
+        if not kernels.loop_output(n) or len(storages_of[n]) != 1 or storages_of[n][0] not in last_use:
+            continue  # (a storage two nodes claim, fake values shared by copies of one region: left as it is)
+        key = dying_input(k, n)
+        if key is not None:
+            taken.add(key)
+            last_use[key] = last_use.pop(storages_of[n][0])
+            storages_of[n][0] = key  # in the list its views share
 
 
 def _live(nodes, storages_of, size, inputs, host, frees) -> tuple[list, list]:
@@ -216,8 +279,9 @@ def analyze(gm: fx.GraphModule) -> Liveness:
     for k, n in enumerate(nodes):
         if at[k] > peak:
             peak, peak_node = at[k], n.name
+    saved = {k for n in nodes if n.op == "placeholder" and n.meta.get(RELEASED) for k in storages_of[n]} - host
     return Liveness([(n.name, after[k]) for k, n in enumerate(nodes)], peak, peak_node,
-                    sum(size[k] for k in inputs))
+                    sum(size[k] for k in inputs), sum(size[k] for k in saved))
 
 
 def _size_expr(t: torch.Tensor):

@@ -37,6 +37,8 @@ class PassContext:
     offloaded: dict[str, int] = dataclasses.field(default_factory=dict)  # saved activations on the host (shared)
     offload_saved: frozenset = frozenset()  # saved activations the planner sends to the host (by forward name)
     subgroups: list[Group] = dataclasses.field(default_factory=list)  # for the commit step to create
+    bucket_bytes: float | None = None       # bucket_collectives' cap where the memory budget chose one (else bucket_mb)
+    bucketed: bool = False                  # bucket_collectives merged two collectives or more
 
     def subgroup(self, group: Group) -> Group:
         """A subgroup this graph's collectives use, named by its ranks until the commit step creates it."""

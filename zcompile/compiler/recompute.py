@@ -47,6 +47,15 @@ def saved_tensors(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
                               and isinstance(n.meta.get("val"), torch.Tensor)))
 
 
+def released_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
+    """The saved tensors only the backward holds: computed by the forward, not on the storage of a forward input
+    (a parameter, the user's batch) nor of a value the forward returns to the user (which may keep it)."""
+    outs = list(fw.graph.output_node().args[0])
+    held = {storage_of(n) for n in fw.graph.find_nodes(op="placeholder")}
+    held |= {storage_of(n) for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    return {n.name for n in saved_tensors(fw, num_fwd_outputs) if storage_of(n) not in held}
+
+
 def _recomputable(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False

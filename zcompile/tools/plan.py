@@ -48,7 +48,7 @@ class Plan:
     state: planner.ModelState
     formula_bytes: int          # zcompile's layout: fp32 params/grads + Adam (report.expected_bytes)
     paper_formula_bytes: float  # the ZeRO paper's mixed-precision formula
-    graph_peaks: dict           # kind -> {"inputs": b, "transient": b, "peak_node": name}
+    graph_peaks: dict           # kind -> {"inputs": b, "transient": b, "saved": b, "peak_node": name}
     step_peak: int
     comm_bytes: dict            # kind -> {op: bytes}; "optimizer_step" for stage 1/2 parameter refresh
     collectives: dict           # kind -> number of collectives
@@ -81,8 +81,10 @@ class Plan:
             + (" (same total at stage 3: 16 bytes per parameter / N)" if self.stage == Stage.PARAMETERS else ""),
         ]
         for kind, g in self.graph_peaks.items():
-            lines.append(f"{kind}: inputs {f(g['inputs'])} (shards, batch, saved activations) + transient peak "
-                         f"{f(g['transient'])} after {g['peak_node']}; {self.collectives[kind]} collectives")
+            saved = f" (saved activations {f(g['saved'])} at its start, each freed after its last use)" \
+                if g["saved"] else ""
+            lines.append(f"{kind}: inputs {f(g['inputs'])} (shards, batch) + transient peak {f(g['transient'])} "
+                         f"after {g['peak_node']}{saved}; {self.collectives[kind]} collectives")
         if self.activations:
             lines.append(self.activations[0])
         fits = "" if self.budget is None else (" -- fits the budget " if self.step_peak <= self.budget
@@ -219,7 +221,8 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         model=name, num_params=P, world=world, nodes=nodes, stage=cfg.stage, state=state,
         formula_bytes=report.expected_bytes(cfg.stage, P, world, state.persistent_params),
         paper_formula_bytes=paper_bytes(cfg.stage, P, world),
-        graph_peaks={k: {"inputs": v.input_bytes, "transient": v.peak_bytes, "peak_node": v.peak_node}
+        graph_peaks={k: {"inputs": v.input_bytes, "transient": v.peak_bytes, "saved": v.saved_bytes,
+                         "peak_node": v.peak_node}
                      for k, v in lives.items()},
         step_peak=planner.step_peak(state, lives), comm_bytes=comm, collectives=counts,
         budget=budget_bytes, cross_node_bytes=cross,

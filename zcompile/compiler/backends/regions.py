@@ -312,7 +312,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     """Cut `gm` into regions (block_regions), compile each distinct block region with compile_one(region_gm, fakes) and
     return the program that runs them. The regions outside the blocks (embeddings, the final norm, head and loss,
     gather issues) run eagerly, each once per step (compiling one costs as much as a block's region), except those
-    heavy enough to compile (_compiled_regions: the loss over a real vocabulary). Reports the whole graph's output
+    heavy enough to compile (compiled_regions: the loss over a real vocabulary). Reports the whole graph's output
     strides to AOTAutograd, as one compile would. None, compiling nothing, when the block regions do not repeat
     enough: fewer than `min_reuse` per distinct one (each compile has a fixed cost; on a shallow model one graph
     compiles faster). Without blocks (or `by_block` false) the graph is one region, compiled."""
@@ -336,7 +336,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     for x, r in last_reader.items():
         if x not in kept:
             frees.setdefault(r, []).append(slot[x])
-    compiled_here = _compiled_regions(regions, holds_block, last_reader, kept)
+    compiled_here = compiled_regions(regions, holds_block, last_reader, kept)
     wanted = [[n for n in nodes if n in last_reader or n in kept] for nodes in regions]
     returned = _union_outputs(gm, regions, region_inputs, wanted, compiled_here, const)
     planned = []  # (key, nodes, inputs, outputs returned, compiled) per region
@@ -378,7 +378,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
 EAGER_MAX_BLOCKS = 4.0
 
 
-def _compiled_regions(regions: list, holds_block: list, handed_on: dict, kept: set) -> list[bool]:
+def compiled_regions(regions: list, holds_block: list, handed_on: dict, kept: set) -> list[bool]:
     """Which regions are compiled: every block region, and a region outside the blocks whose elementwise
     temporaries outweigh EAGER_MAX_BLOCKS block regions (the head and loss over a real vocabulary). Without blocks
     the graph is one region, compiled."""

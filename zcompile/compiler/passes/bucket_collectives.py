@@ -9,7 +9,7 @@ merged the same way into one flat `reduce_scatter_tensor` over the members' rank
 stages 0/1 into one `all_reduce_coalesced`), issued once the bucket's last gradient exists and waited on before the
 next bucket is issued (collectives.limit_in_flight), so the backward keeps computing while one bucket is reduced.
 One collective per bucket instead of one per parameter: fewer launches and fewer small messages. The dump names
-every bucket's members.
+every bucket's members. The cap is `bucket_mb`, or a smaller one the memory budget chose (backend.split_passes).
 """
 from __future__ import annotations
 
@@ -161,17 +161,19 @@ def _rewire_waits(graph: fx.Graph, members: list[fx.Node], coalesced: fx.Node, p
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
-    cap = pctx.cfg.bucket_mb * 2**20
+    cap = pctx.cfg.bucket_mb * 2**20 if pctx.bucket_bytes is None else pctx.bucket_bytes
     if cap <= 0 or pctx.kind == "joint":
         return gm
     graph = gm.graph
     gathers = [n for n in graph.nodes if _single(n, "all_gather")]
     for k, members in enumerate(_buckets(gathers, cap)):
+        pctx.bucketed |= len(members) > 1
         _merge_gathers(graph, members, k, pctx.kind)
     if pctx.kind == "backward":
         for op in ("reduce_scatter", "all_reduce"):
             reductions = [n for n in graph.nodes if _single(n, op)]
             for k, members in enumerate(_buckets(reductions, cap)):
+                pctx.bucketed |= len(members) > 1
                 _merge_reductions(graph, members, k, op)
         _sort_output_dependencies(graph)
         collectives.limit_in_flight(graph, ("reduce_scatter", "all_reduce"))
