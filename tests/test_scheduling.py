@@ -33,23 +33,6 @@ def test_liveness_plans_a_dynamic_size_at_its_declared_maximum(bounded):
     assert unbounded == [[] if bounded else [100]], unbounded  # what memory_budget warns about (backend)
 
 
-def test_liveness_is_alias_aware():
-    def f(x):
-        y = x * 2            # 4 KiB
-        z = y.view(-1)       # alias of y: free
-        w = z + 1            # 4 KiB; y dies after this
-        return (w * 3).sum()  # 4 KiB while w is alive
-    with FakeTensorMode() as mode:
-        x = torch.empty(32, 32)
-        gm = make_fx(f, tracing_mode="fake")(x)
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(x)
-    live = liveness.analyze(gm)
-    assert live.input_bytes == 4096
-    assert live.peak_bytes == 2 * 4096
-    assert live.live_after[-1][1] == 4  # only the scalar output survives
-
-
 def _fake_graph(f, *shapes):
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     with FakeTensorMode() as mode:
@@ -57,6 +40,19 @@ def _fake_graph(f, *shapes):
         gm = make_fx(f, tracing_mode="fake")(*xs)
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*xs)
     return gm
+
+
+def test_liveness_is_alias_aware():
+    def f(x):
+        y = x * 2            # 4 KiB
+        z = y.view(-1)       # alias of y: free
+        w = z + 1            # 4 KiB; y dies after this
+        return (w * 3).sum()  # 4 KiB while w is alive
+    gm = _fake_graph(f, (32, 32))
+    live = liveness.analyze(gm)
+    assert live.input_bytes == 4096
+    assert live.peak_bytes == 2 * 4096
+    assert live.live_after[-1][1] == 4  # only the scalar output survives
 
 
 def test_liveness_counts_what_inductor_writes():

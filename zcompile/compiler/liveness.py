@@ -4,9 +4,9 @@ Tensors are tracked by storage (views share their base's storage, so they cost n
 allocated by the first node that produces it and freed after the last node that reads any tensor on it, or, for a
 collective's input, after the collective's wait. Graph inputs are counted apart (they are held by the caller),
 except the backward's saved activations marked `zc_released` (mark_released): autograd hands them over and drops its
-own references, so they are freed after their last use like any intermediate. Graph outputs live past the end. Tensors in host memory (offload: nodes and placeholders marked `zc_tier`) are not
-device memory and are not counted, nor, in a graph inductor compiles, the values its kernels never write to memory
-(inductor_buffers).
+own references, so they are freed after their last use like any intermediate. Graph outputs live past the end.
+Tensors in host memory (offload: nodes and placeholders marked `zc_tier`) are not device memory and are not counted,
+nor, in a graph inductor compiles, the values its kernels never write to memory (inductor_buffers).
 """
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def _lifetimes(gm: fx.GraphModule, sizer) -> tuple[list, dict, dict, set, set, d
         for a in n.all_input_nodes:
             for b in reads(a):
                 for key in storages_of.get(b, []):
-                    last_use[key] = max(last_use.get(key, k), k)
+                    last_use[key] = k
     position = {n: k for k, n in enumerate(nodes)}
     for n in nodes:
         if input_held_until_wait(n):
