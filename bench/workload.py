@@ -59,7 +59,7 @@ def build_model(name: str, vocab: int | None) -> torch.nn.Module:
                                     "tiny": (64, 2, 2, 1, 176)}[name[len("llama-"):]]
         cfg = LlamaConfig(vocab_size=vocab or 32000, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                          tie_word_embeddings=False)
+                          tie_word_embeddings=False, use_cache=False)  # training: no KV cache (docs/limitations.md)
         cfg._attn_implementation = "sdpa"
         return LlamaForCausalLM(cfg)
     raise ValueError(f"unknown model {name!r}")

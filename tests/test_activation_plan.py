@@ -58,6 +58,63 @@ def test_recompute_moves_saved_values_into_the_backward_and_keeps_the_gradients(
     assert torch.equal(runs["keep"][0], runs["recompute"][0]) and torch.equal(runs["keep"][1], runs["recompute"][1])
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x):
+        h = torch.tanh(x)  # its backward needs h, not x: the block's input is not saved
+        return torch.tanh(h @ self.w)
+
+
+class _Embedded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+def test_recompute_chains_stay_in_their_block():
+    """Recomputing block 0's saved values starts from the block's input, which the forward then saves (as
+    checkpointing a block does); it never runs the embedding lookup again (nor, under ZeRO-3, its gathers)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from zcompile.compiler.blocks import block_of
+    record = {}
+
+    def partition(joint, inputs, *, num_fwd_outputs, **kw):
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        names = {v.name for v in recompute.saved_tensors(fw, num_fwd_outputs) if block_of(v).endswith("0")}
+        record["targets"] = names
+        record["done"], _ = recompute.apply(fw, bw, num_fwd_outputs, names, timeline.CostModel.cpu())
+        record["recomputed"] = [(str(n.target), block_of(n)) for n in bw.graph.nodes if "zc_recomputed" in n.meta]
+        record["saved"] = [block_of(n) for n in recompute.saved_tensors(fw, num_fwd_outputs)]
+        fw.recompile()
+        bw.recompile()
+        return fw, bw
+
+    torch.manual_seed(0)
+    model, ids = _Embedded(), torch.randint(0, 16, (4, 5))
+    model(ids).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    torch.compile(model, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition))(ids).backward()
+    assert record["done"] and record["done"] == record["targets"], record
+    blocks = {b for _, b in record["recomputed"]}
+    assert len(blocks) == 1 and next(iter(blocks)).endswith("0"), record["recomputed"]
+    assert not any("embedding" in op for op, _ in record["recomputed"]), record["recomputed"]
+    assert "" in record["saved"], record  # the block's input (the embedding's output) is saved instead
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)
+
+
 def _choice(name, cost, freed, group):
     return ActivationChoice(name, (1,), freed, "recompute", cost, "", (group,), freed)
 

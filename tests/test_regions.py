@@ -535,15 +535,18 @@ def test_regional_inductor_stage3_matches_the_reference(name):
         assert max_diff(res["params"], ref_params) < TOL
 
 
-def _isa_probe_calls(rank: int, world: int) -> dict:
+def _isa_probe_calls(rank: int, world: int, flags: list | None = None) -> dict:
     """A stage-3 inductor compile in a fresh process, recording in order which threads called inductor's CPU ISA
     probe, whether it had a result already (the probe is functools-cached), where the first inductor compile
-    began, and which ISAs were built with ATen's vector headers and loaded to check them (thread, ISA)."""
+    began, and which ISAs were built with ATen's vector headers and loaded to check them (thread, ISA). `flags`:
+    the x86 ISA flags the CPU reports (None: this CPU's), e.g. ["avx2"] for a CPU with one candidate."""
     import threading
 
     from torch._inductor import cpu_vec_isa
 
-    from zcompile.compiler.backends import inductor as zinductor
+    from zcompile.compiler.backends import inductor as zinductor, warmup
+    if flags is not None:
+        cpu_vec_isa.x86_isa_checker = lambda: list(flags)
 
     calls, probe, compile_inductor = [], cpu_vec_isa.valid_vec_isa_list, zinductor.compile_inductor
     assert probe.cache_info().currsize == 0, "this process has probed already: the test needs a fresh one"
@@ -568,26 +571,33 @@ def _isa_probe_calls(rank: int, world: int) -> dict:
                                                                  "regional_compile": False}})
     run(torch.randn(4, 16)).backward()
     return {"calls": calls, "probed": probe.cache_info().currsize, "builds": builds,
-            "picked": str(cpu_vec_isa.pick_vec_isa()), "valid": [str(isa) for isa in probe()]}
+            "picked": str(cpu_vec_isa.pick_vec_isa()), "valid": [str(isa) for isa in probe()],
+            "candidates": len(warmup._candidates(cpu_vec_isa))}
 
 
-def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile():
+@pytest.mark.parametrize("flags", [None, ["avx2"]], ids=["this-cpu", "avx2-only"])
+def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile(flags):
     """zcompile/compiler/backends/warmup.py: the zero backend starts inductor's one-time ISA check (a g++ build of
     ATen's vector headers and a child process, seconds) when first entered, beside dynamo's trace and the passes,
     for the one ISA inductor will use; the first inductor compile waits for it and fills inductor's list from the
-    CPU's flags instead of building every candidate (on x86: one build where inductor makes up to four)."""
+    CPU's flags instead of building every candidate (on x86: one build where inductor makes up to four). What
+    decides the path is how many x86 candidates the CPU's flags allow, not how many inductor then lists: with one
+    (an AVX2-only CPU) the warmup still builds it, and the main thread makes the list. Both are run here, whatever
+    this CPU has."""
     import platform
 
     from tests.harness import run_world
-    (res,) = run_world(1, _isa_probe_calls)
+    if flags is not None and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 flags on another platform")
+    (res,) = run_world(1, _isa_probe_calls, flags)
     calls = res["calls"]
     assert res["probed"] == 1 and "compile_inductor" in calls, calls
     probes = [c for c in calls if c != "compile_inductor"]
-    if platform.machine() in ("x86_64", "AMD64") and len(res["valid"]) > 1:
+    if res["candidates"]:  # x86: the ISA inductor will use is built in the background, once
         assert res["builds"] == [("zcompile-inductor-warmup", res["picked"])], res  # the one used, built once
         assert calls.index("compile_inductor") < calls.index(("MainThread", False)), calls  # made in wait()
         assert res["picked"] == res["valid"][0], res
-    else:  # one candidate or none: the warmup computes inductor's list itself
+    else:  # no x86 candidate (another platform): the warmup computes inductor's list itself
         assert probes[0] == ("zcompile-inductor-warmup", False), calls
     assert all(cached for name, cached in probes if name not in ("zcompile-inductor-warmup", "MainThread")), calls
 

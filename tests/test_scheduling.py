@@ -93,6 +93,22 @@ def test_liveness_extends_inputs_to_the_kernel_that_reads_them():
     assert live.peak_bytes == 2 * kb
 
 
+def test_a_kernel_output_never_takes_a_buffer_read_later():
+    """Inductor's in-place reuse takes only an input that dies at the kernel: x below has the output's size and
+    dtype and is read by the kernel, but also by the last one, so u gets a buffer of its own."""
+    def f(a, b):
+        x = a @ b                 # 64 KiB, read again at the end
+        u = (x * 2).relu()        # one kernel (x * 2 is computed inside it); written: a matmul reads u
+        v = u @ b                 # 64 KiB
+        return (v + x).sum()      # one kernel reads v and x
+    gm = _fake_graph(f, (128, 128), (128, 128))
+    liveness.compiled_by_inductor(gm, regional=False)
+    live = liveness.analyze(gm)
+    kb = 64 * 1024
+    assert dict(live.live_after)["relu"] == 2 * kb  # x and u
+    assert live.peak_bytes == 3 * kb  # x, u and v at the second matmul
+
+
 def test_saved_activations_the_backward_releases_count_as_transients():
     def f(saved, w):
         g = saved @ w             # the saved activation dies here

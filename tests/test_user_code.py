@@ -20,6 +20,8 @@ def test_user_code_matches_reference(stage):
         # unfreezing after step 2 takes effect: the first block moves from step 3 on, as in the reference
         for name, value in ref["params"].items():
             torch.testing.assert_close(out["params"][name], value, **TOL, msg=name)
+        for name, value in ref["sums"].items():  # the state loaded before the first forward, resharded by rows
+            torch.testing.assert_close(out["sums"][name], value, **TOL, msg=f"Adagrad sum of {name}")
         assert out["clip"] == pytest.approx(ref["clip"], rel=1e-4)  # global gradient norm, not a shard's
         assert out["norms"] == pytest.approx(ref["norms"], rel=1e-5)
         for e, r in zip(out["ema"], ref["ema"]):
@@ -76,7 +78,8 @@ def test_dcp_resume_after_a_forward_or_a_step_restores_the_optimizer(tmp_path):
     """The FSDP2 recipe through torch's API alone (get_state_dict, dcp.load, set_state_dict), with a forward (the
     model is sharded, the optimizer still holds the plain parameters) or a whole step before the load: AdamW,
     SGD with momentum and Adagrad (state made at construction) continue as the uninterrupted run, at world 2 -> 1,
-    2 -> 4 (stage 3 -> 2) and 2 -> 2. The forward case read `step` 1 and reset the moments (issue 50)."""
+    2 -> 4 (stage 3 -> 2) and 2 -> 2. The forward case read `step` 1 and reset the moments (issue 50); after a
+    backward (gradients present, no step yet) torch makes no optimizer state by itself (dcp_optimizers)."""
     names = list(user_workers.OPTIMIZERS)
     ckpt = {o: str(tmp_path / o) for o in names}
     saved = run_world(2, user_workers.dcp_runs, [(3, 2, 0, ckpt[o], None, o) for o in names]
@@ -84,7 +87,7 @@ def test_dcp_resume_after_a_forward_or_a_step_restores_the_optimizer(tmp_path):
     straight = dict(zip(names, saved[len(names):]))
     plans = {(1, 3): [(o, b) for o in names for b in ("forward", "step")],
              (4, 2): [("adamw", "forward"), ("sgd", "forward"), ("adagrad", "step")],
-             (2, 3): [("adamw", "step"), ("sgd", "step"), ("adagrad", "forward")]}
+             (2, 3): [("adamw", "step"), ("sgd", "step"), ("adagrad", "forward"), ("adamw", "backward")]}
     for (world, stage), plan in plans.items():
         runs = [(stage, 2, 2, None, ckpt[o], o, b) for o, b in plan]
         for (o, b), res in zip(plan, run_world(world, user_workers.dcp_runs, runs)[0]):

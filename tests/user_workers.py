@@ -23,7 +23,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def user_loop(rank: int | None, world: int, stage: int | None, steps: int = 4) -> dict:
     """Adagrad built before the first forward (its state is made at construction), the first block frozen and
     unfrozen after step 2 with requires_grad_, torch's clip_grad_norm_, model.zero_grad(), p.norm() logging, an EMA
-    of the parameters, then an eager forward of the uncompiled module. rank None: the single-process reference."""
+    of the parameters, then an eager forward of the uncompiled module. rank None: the single-process reference.
+    The optimizer's state is loaded before the first forward."""
     model = build_model("gpt")
     frozen = list(model.blocks[0].parameters())
     for p in frozen:
@@ -31,6 +32,12 @@ def user_loop(rank: int | None, world: int, stage: int | None, steps: int = 4) -
     # lr 1e-3: Adagrad normalizes each element, so summation-order rounding of small gradients scales with lr (at
     # 1e-2 even stage 0 differs from the reference by 2e-5 on some CPUs); an ignored unfreeze still misses 2e-3
     opt = torch.optim.Adagrad(model.parameters(), lr=1e-3)
+    # a state loaded before the first forward (from a checkpoint of the plain model): not constant, so each rank
+    # must take its own rows of it when zcompile reshards it
+    state, g = opt.state_dict(), torch.Generator().manual_seed(5)
+    for st in state["state"].values():
+        st["sum"] = torch.rand(st["sum"].shape, generator=g) * 1e-2
+    opt.load_state_dict(state)
     run = model if rank is None else torch.compile(model, backend="zero",
                                                    options={"config": {"stage": stage, "backend": "eager"}})
     out = {"losses": [], "norms": [], "clip": [], "types": set()}
@@ -61,6 +68,7 @@ def user_loop(rank: int | None, world: int, stage: int | None, steps: int = 4) -
                 e.lerp_(p, 0.25)
     out["types"] = sorted({type(p).__name__ for p in model.parameters()})
     out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    out["sums"] = {n: _full(opt.state[p]["sum"]) for n, p in model.named_parameters()}
     out["ema"] = [_full(e) for e in ema]
     model.eval()
     with torch.no_grad():
@@ -131,7 +139,8 @@ def dcp_train(rank: int, world: int, stage: int, steps: int, start: int, save: s
               optimizer: str = "adamw", before: str | None = None) -> dict:
     """Train `steps` steps from `start` with torch.distributed.checkpoint: load a model + optimizer state first
     (any world size or stage), save one at the end. `before` the load: nothing, a "forward" (which shards the
-    model; the optimizer still holds the plain parameters) or a whole "step" on other data."""
+    model; the optimizer still holds the plain parameters), a "backward" (gradients present, no step: dropped
+    after the load) or a whole "step" on other data."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model = build_model("gpt", seed=123 if load else 0)
@@ -139,14 +148,16 @@ def dcp_train(rank: int, world: int, stage: int, steps: int, start: int, save: s
     opt = OPTIMIZERS[optimizer](model.parameters())
     if before is not None:
         loss = loss_of(run, "gpt", rank_slice(_batch(99, world), rank, world))
-        if before == "step":
+        if before in ("backward", "step"):
             loss.backward()
+        if before == "step":
             opt.step()
             opt.zero_grad()
     if load:
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=load)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        opt.zero_grad()  # the gradients of a backward before the load belong to no step of this run
     loaded_steps = sorted({float(st["step"]) for st in opt.state.values() if "step" in st})
     losses = []
     for step in range(start, start + steps):

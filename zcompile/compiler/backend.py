@@ -658,7 +658,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     before_trace.prepare(cfg, ctx)
     if not dtensor_params.trace_once_supported():
         _refuse_nested_regions(gm)  # before sharding: with DTensor parameters torch 2.11's dynamo fails on them itself
-    if cfg.stage >= Stage.OPTIMIZER:
+    if cfg.stage >= Stage.OPTIMIZER or cfg.mixed_precision.enabled:
         _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
     job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=True)
     _COMPILED.add(job)
@@ -812,7 +812,7 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
     roots = {id(root): root for root in map(_root_module, unowned) if root is not None}
     for ph, x in plain:
         zp = shard_store.register_for(cfg, ctx, x)
-        if zp.dtensor is not None or not dtensor_params.eligible(zp):
+        if zp.token is not None or not (dtensor_params.eligible(zp) or dtensor_params.tokened(zp)):
             continue
         root = _root_module(ph)
         if root is None:

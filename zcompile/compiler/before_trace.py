@@ -97,7 +97,7 @@ def _shard_modules(options: dict | None, modules: list[nn.Module]) -> None:
         ctx = DistContext.current()
     except (zconfig.ConfigError, RuntimeError, ValueError):
         return  # the backend raises it with its context
-    if cfg.stage < Stage.OPTIMIZER:
+    if cfg.stage < Stage.OPTIMIZER and not cfg.mixed_precision.enabled:
         return
     prepare(cfg, ctx)  # sharding may build meshes: under the configured timeout, as in the backend
     with reported_as_zcompile_errors():

@@ -305,7 +305,8 @@ def _load_sharded(directory: str, state: dict, model: nn.Module, optimizer, cfg,
     with torch.no_grad():
         for name, p in _named_params(model):
             zp = (shard_store.register(p, ckpt_stage, ctx) if cfg is None else
-                  shard_store.register(p, ckpt_stage, ctx, cfg.offload, shard_store.row_multiple(cfg, p)))
+                  shard_store.register(p, ckpt_stage, ctx, cfg.offload, shard_store.row_multiple(cfg, p),
+                                       compute_dtype=shard_store.compute_dtype(cfg, p)))
             value = state["params"][name]
             target = p if zp.stage == Stage.DDP else _local_values(zp)
             if target.shape != value.shape:

@@ -21,6 +21,7 @@ Not DTensors (they stay plain, storage-free stand-ins as before): 0-d parameters
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import threading
 import weakref
@@ -69,7 +70,7 @@ def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout
     zp.dtensor = param
     zp.wrapper_storage = param.untyped_storage()._cdata
     retire(zp)
-    zp.token = _token(zp)
+    zp.token = token(zp)
     zp.seen_version = zp.versions()
     return param
 
@@ -105,10 +106,14 @@ def _tracing_for_zero() -> bool:
     return _zero_traces > 0
 
 
-def _token(zp: shard_store.ShardedParam) -> torch.Tensor:
+def token(zp: shard_store.ShardedParam) -> torch.Tensor:
+    """The parameter's token, in the dtype the forward computes in (mixed_precision): the model's code then traces
+    what it does with a bf16 parameter (`x.to(self.weight.dtype)`, `hidden.to(input_dtype)`), as under FSDP2, whose
+    forward sees the unsharded bf16 parameter. The graph input stays the fp32 parameter; the mixed_precision pass
+    casts it where it is first used."""
     floating = zp.dtype.is_floating_point or zp.dtype.is_complex
     with torch.no_grad():
-        one = torch.full((1,) * len(zp.shape), float("nan") if floating else 0, dtype=zp.dtype,
+        one = torch.full((1,) * len(zp.shape), float("nan") if floating else 0, dtype=zp.compute_dtype,
                          device=zp.standin_device)
     token = one.expand(zp.shape).detach().requires_grad_(floating)
     token._zc_token_of = weakref.ref(zp)
@@ -141,7 +146,7 @@ def refresh_tokens() -> None:
             continue
         for name, ref in names.items():
             zp = ref()
-            if zp is not None and zp.token is not None and module._parameters.get(name) is zp.dtensor:
+            if zp is not None and zp.token is not None and module._parameters.get(name) is zp.held():
                 tokens[name] = zp.token
             else:
                 tokens.pop(name, None)
@@ -162,10 +167,13 @@ def shard_parameters(model: nn.Module, config) -> nn.Module:
 
 
 def shard_model(root: nn.Module, cfg, ctx) -> int:
-    """shard_module for a config, then (trace_blocks_once) mark the repeated blocks. Returns how many parameters
-    were replaced."""
+    """shard_module for a config, then (trace_blocks_once) mark the repeated blocks; at stage 0, token_module.
+    Returns how many parameters were replaced (given a token at stage 0)."""
     from functools import partial
-    count = shard_module(root, partial(shard_store.register_for, cfg, ctx), ctx, cfg.collective_timeout_s)
+    register = partial(shard_store.register_for, cfg, ctx)
+    if cfg.stage == Stage.DDP:
+        return token_module(root, register)
+    count = shard_module(root, register, ctx, cfg.collective_timeout_s)
     if count and cfg.trace_blocks_once and trace_once_supported():
         mark_blocks(root)
     return count
@@ -202,6 +210,37 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     return len(done)
 
 
+def tokened(zp: shard_store.ShardedParam) -> bool:
+    """Stage 0 under mixed precision: the parameter stays plain (every rank holds it; it is the graph input), and
+    zero-backend traces read its token, in the compute dtype, as a DTensor parameter's are read."""
+    return zp.stage == Stage.DDP and zp.compute_dtype != zp.dtype and len(zp.shape) >= 1
+
+
+def token_module(root: nn.Module, register) -> int:
+    """Give every parameter of `root` that `tokened` a token its module's property returns while dynamo traces for
+    the zero backend, so the model's code sees the compute dtype as at stages 1-3. Returns how many tokens were
+    made."""
+    count = 0
+    for path, module in root.named_modules():
+        names = []
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, DTensor) or not p.is_floating_point():
+                continue
+            zp = register(p)
+            if not tokened(zp):
+                continue
+            if zp.token is None:
+                zp.name = zp.name or f"{path}.{name}".lstrip(".")
+                zp.token = token(zp)
+                count += 1
+            module.__dict__.setdefault("_zc_tokens", {})[name] = zp.token
+            _OWNED.setdefault(module, {})[name] = weakref.ref(zp)
+            names.append(name)
+        if names:
+            _with_properties(module, names, replicated=True)
+    return count
+
+
 def owned(module: nn.Module) -> dict:
     """{parameter name: ShardedParam} of the parameters zcompile sharded in `module`."""
     return {name: zp for name, ref in _OWNED.get(module, {}).items() if (zp := ref()) is not None}
@@ -229,7 +268,9 @@ def _whole(p: DTensor) -> nn.Parameter:
         return nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
 
 
-def _with_properties(module: nn.Module, names: list[str]) -> None:
+def _with_properties(module: nn.Module, names: list[str], replicated: bool = False) -> None:
+    """`replicated`: the parameters stay plain (token_module): only the properties, and pickling and deep copies
+    see the module's own class."""
     if "_zc_instance" not in module.__dict__:
         module._zc_instance = next(_INSTANCES)
     module.__dict__.setdefault("_zc_compute_device", {})
@@ -239,16 +280,17 @@ def _with_properties(module: nn.Module, names: list[str]) -> None:
     if want == have:
         return
     base = cls.__bases__[0] if have else cls
-    key = (base, want)
+    key = (base, want, replicated)
     if key not in _CLASSES:
+        own = {"__reduce_ex__": _reduce_as_base} if replicated else {
+            "_apply": _apply, "_load_from_state_dict": _load_from_state_dict, "__deepcopy__": _deepcopy,
+            "__reduce_ex__": _no_pickle}
         _CLASSES[key] = type(base.__name__, (base,), {**{n: property(_getter(n)) for n in want},
                                                       "_zc_param_names": want, "_zc_base": base,
-                                                      "_zc_in_region": False,
-                                                      "_apply": _apply, "_load_from_state_dict": _load_from_state_dict,
-                                                      "__deepcopy__": _deepcopy, "__reduce_ex__": _no_pickle,
+                                                      "_zc_in_region": False, **own,
                                                       "__module__": base.__module__})
     module.__class__ = _CLASSES[key]
-    if not have:
+    if not have and not replicated:
         module.register_forward_pre_hook(_enter_forward)
         module.register_forward_hook(_leave_forward, always_call=True)
 
@@ -269,6 +311,9 @@ def _getter(name: str):
         device = self._zc_compute_device.get(name)
         if device is not None:  # gathered on the host mesh (offload.params: cpu): computed where the model runs
             full = full.to(device)
+        zp = getattr(p, "_zc", None)
+        if zp is not None and full.dtype != zp.compute_dtype:  # mixed_precision, as the token's dtype says
+            full = full.to(zp.compute_dtype)
         if not torch.compiler.is_compiling():  # eager: the reduce-scatter sums; average like the compiled graphs
             full = _MeanGrad.apply(full, p.device_mesh.size())
         return full
@@ -352,6 +397,14 @@ def _deepcopy(self, memo):
     twin = copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))
     twin._zc_instance = next(_INSTANCES)
     return twin
+
+
+def _reduce_as_base(self, protocol):
+    """A module whose plain parameters have tokens (token_module) pickles and deep-copies as its own class, without
+    them (a copy compiled with zcompile gets its own)."""
+    rebuild, args, state, *rest = object.__reduce_ex__(self, protocol)
+    state = {k: v for k, v in state.items() if k not in ("_zc_tokens", "_zc_instance", "_zc_compute_device")}
+    return (rebuild, (self._zc_base, *args[1:]), state, *rest)
 
 
 def _no_pickle(self, protocol):
@@ -465,12 +518,26 @@ def mark_blocks(root: nn.Module) -> int:
 def _marked_class(cls: type) -> type:
     if cls not in _BLOCK_CLASSES:
         forward = cls.forward
-        region = torch.compiler.nested_compile_region(forward)
-        forward.__marked_compile_region_max_reuse_entries__ = MAX_TRACES
+        body = _region_body(forward)
+        region = torch.compiler.nested_compile_region(body)
+        body.__marked_compile_region_max_reuse_entries__ = MAX_TRACES
         _BLOCK_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": _outer_forward, "_zc_region": region, "_zc_marked": True, "__reduce_ex__": _no_pickle_block,
-            "__deepcopy__": _deepcopy_block, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            "forward": _outer_forward, "_zc_region": region, "_zc_inline": forward, "_zc_marked": True,
+            "__reduce_ex__": _no_pickle_block, "__deepcopy__": _deepcopy_block, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
     return _BLOCK_CLASSES[cls]
+
+
+def _region_body(forward):
+    """The block's forward as a region: an output that is one of its inputs (T5's position bias, computed by the
+    first block and handed on by the others) leaves as a copy, since a region's outputs may not alias its inputs."""
+    @functools.wraps(forward)
+    def body(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.clone() if any(t is i for i in inputs) else t, out)
+    return body
 
 
 def _outer_forward(self, *args, **kwargs):
@@ -482,7 +549,19 @@ def _outer_forward(self, *args, **kwargs):
             m = getattr(m, name, None)
         if getattr(m, "_zc_instance", 0) < 0:
             raise AssertionError
+    if not _values_only((args, kwargs)):
+        return type(self)._zc_inline(self, *args, **kwargs)
     return type(self)._zc_region(self, *args, **kwargs)
+
+
+_VALUES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _values_only(tree) -> bool:
+    """A region is a function of its inputs: an object a block may write to (a Hugging Face KV `Cache`, which the
+    attention updates) is state outside it, which a nested compile region cannot write where the state aliases an
+    input (dynamo: "an intermediate tensor ... aliases an input or output"). Such a call is traced inline."""
+    return all(isinstance(leaf, _VALUES) for leaf in torch.utils._pytree.tree_leaves(tree))
 
 
 def _deepcopy_block(self, memo):
@@ -521,7 +600,7 @@ def unwrap_graph(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[list, 
         if token:
             _guard_token(ph, zp)
             ph._rename(ph.name.replace("_zc_tokens_", "_parameters_"))  # as dynamo names a parameter it reads
-            requires_grad = zp.dtensor.requires_grad
+            requires_grad = zp.held().requires_grad
         else:
             zp = shard_store.owner(x) if isinstance(x, DTensor) else None
             requires_grad = getattr(x, "requires_grad", False)

@@ -47,9 +47,10 @@ _keys = itertools.count()
 
 class ShardedParam:
     def __init__(self, param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0,
-                 attach: bool = True):
+                 attach: bool = True, compute_dtype: torch.dtype | None = None):
         """`attach`: give the shard its tiers (host memory, an NVMe file, a host master); a compile that is not
-        committed (zcompile plan) only lays the shard out, on the parameter's device."""
+        committed (zcompile plan) only lays the shard out, on the parameter's device. `compute_dtype`: the dtype
+        forward and backward use it in (mixed_precision.param_dtype; None: its own)."""
         if not param.is_floating_point():
             raise TypeError(f"zcompile shards floating-point parameters only, got {param.dtype}")
         self.param_ref = weakref.ref(param)
@@ -59,6 +60,9 @@ class ShardedParam:
         self.shape = tuple(param.shape)
         self.numel = param.numel()
         self.dtype = param.dtype
+        self.compute_dtype = compute_dtype or param.dtype
+        self.compute_dtype_set = compute_dtype is not None  # a config said it (else it may still say it)
+        self.standin_device = param.device  # where the parameter is computed (a host-offloaded shard's is not)
         # Dim-0 sharding (DTensor's Shard(0), torch.chunk sizes): rank r owns rows [r*c, (r+1)*c) of ceil(d0/world)
         # = c rows each, zero-padded; flattened, that is elements [r*s, (r+1)*s) with s = c * row size.
         self.row_multiple = row_multiple if stage == Stage.PARAMETERS and param.dim() == 2 else 0
@@ -130,6 +134,12 @@ class ShardedParam:
         """copy.deepcopy of a DTensor parameter copies its attributes (the modules copy theirs themselves, see
         dtensor_params._deepcopy): the copy is a DTensor of its own, not zcompile's (owner() of it is None)."""
         return None
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        self.compute_dtype, self.compute_dtype_set = dtype, True
+        if self.token is not None:  # what traces read for the parameter has the dtype the forward computes in
+            from zcompile.runtime import dtensor_params
+            self.token = dtensor_params.token(self)
 
     def attach_master(self) -> None:
         """The host fp32 master an offloaded optimizer steps, once the tier is known (a compile's commit step
@@ -205,6 +215,10 @@ class ShardedParam:
         p = self.param_ref()
         assert p is not None, "parameter was freed while its shard is in use"
         return p
+
+    def held(self) -> nn.Parameter | None:
+        """The parameter the module holds: its DTensor, else the plain parameter (stage 0, stand-ins)."""
+        return self.dtensor if self.dtensor is not None else self.param_ref()
 
     @property
     def keeps_full(self) -> bool:
@@ -404,11 +418,17 @@ def row_multiple(cfg, p: nn.Parameter) -> int:
 
 
 def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, row_multiple: int = 0,
-             attach: bool = True) -> ShardedParam:
-    """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity). `attach`: see
-    ShardedParam."""
+             attach: bool = True, compute_dtype: torch.dtype | None = None) -> ShardedParam:
+    """Shard `param` for `stage` (idempotent: a parameter is sharded once, by identity). `attach`, `compute_dtype`:
+    see ShardedParam."""
     zp = getattr(param, "_zc", None)
     if zp is not None:
+        if compute_dtype is not None and compute_dtype != zp.compute_dtype:
+            if zp.compute_dtype_set:
+                raise RuntimeError(f"parameter of shape {tuple(param.shape)} is computed in {zp.compute_dtype}; a "
+                                   f"compile asks for {compute_dtype} (mixed_precision.param_dtype): use one config "
+                                   "per model")
+            zp.set_compute_dtype(compute_dtype)  # registered without a config (load_checkpoint before a forward)
         if zp.stage != stage or zp.world != ctx.world:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is already sharded for stage {zp.stage} "
                                f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
@@ -424,14 +444,20 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
                                + f"; a compile asks for " + (f"{row_multiple} tiles" if row_multiple else "no tiling")
                                + ": use one config per model (and pass it to load_checkpoint(..., config=))")
         return zp
-    zp = ShardedParam(param, stage, ctx, offload, row_multiple, attach)
+    zp = ShardedParam(param, stage, ctx, offload, row_multiple, attach, compute_dtype)
     param._zc = zp
     return zp
 
 
 def register_for(cfg, ctx: DistContext, param: nn.Parameter, attach: bool = True) -> ShardedParam:
-    """register() with the layout and tiers a config asks for."""
-    return register(param, cfg.stage, ctx, cfg.offload, row_multiple(cfg, param), attach)
+    """register() with the layout, tiers and compute dtype a config asks for."""
+    return register(param, cfg.stage, ctx, cfg.offload, row_multiple(cfg, param), attach, compute_dtype(cfg, param))
+
+
+def compute_dtype(cfg, p: torch.Tensor) -> torch.dtype:
+    """The dtype forward and backward use `p` in: mixed_precision.param_dtype for a floating parameter (as FSDP2's
+    MixedPrecisionPolicy casts every floating parameter, norms and embeddings included)."""
+    return cfg.mixed_precision.param_dtype if p.is_floating_point() else p.dtype
 
 
 def owner(t: torch.Tensor) -> ShardedParam | None:

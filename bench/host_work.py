@@ -1,0 +1,159 @@
+"""Host work per training step, what bounds a GPU step when the device waits for the host: counted on the CPU
+beside plain torch.compile and FSDP2 + torch.compile, at two depths (work that grows with the parameter count shows
+as a column that doubles).
+
+    python bench/host_work.py                      # nanoGPT, 24 and 48 layers x 64, vocabulary 256, 2 x 64 tokens, bf16
+
+Per system (bench/workload.py's setups, world 1, gloo) and depth, one training step after --warmup steps
+(forward, backward, clip_grad_norm_(1.0), AdamW in nanoGPT's groups, zero_grad), counted on the host:
+  python calls      sys.setprofile "call" and "c_call" events (Python functions and builtins entered)
+  eager ops         ATen / prims / c10d ops the profiler sees at the top of the dispatcher stack (not inside another
+                    op) and outside every compiled graph call: what the host dispatches one by one
+  graph calls       inductor graph calls ("## Call CompiledFxGraph" events) and, for zcompile's eager backend or
+                    its regions run as FX code, none: the count of compiled kernels' launches is the GPU's concern
+  autograd nodes    backward nodes the autograd engine evaluated
+and the median step time over --steps (noisy on a shared VM; the counts repeat exactly).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import nanogpt  # noqa: E402
+import workload  # noqa: E402
+from zcompile.tools.launch import WorkerFailed, run_world  # noqa: E402
+
+SYSTEMS = ["torch_compile", "fsdp2_compile", "zcompile_z3"]
+_OP_PREFIXES = ("aten::", "prims::", "c10d::", "_c10d_functional::", "zcompile::")
+_GRAPH_CALL = "## Call CompiledFxGraph"
+_AUTOGRAD = "autograd::engine::evaluate_function: "
+
+
+def counts(events) -> dict:
+    """The profiler's counts of one step (see the module doc)."""
+    eager = graphs = autograd = 0
+    for e in events:
+        name = e.name
+        if name.startswith(_GRAPH_CALL):
+            graphs += 1
+        elif name.startswith(_AUTOGRAD):
+            autograd += 1
+        elif name.startswith(_OP_PREFIXES):
+            parent, top = e.cpu_parent, True
+            while parent is not None:
+                if parent.name.startswith(_OP_PREFIXES) or parent.name.startswith(_GRAPH_CALL):
+                    top = False
+                    break
+                parent = parent.cpu_parent
+            eager += top
+    return {"eager_ops": eager, "graph_calls": graphs, "autograd_nodes": autograd}
+
+
+def python_calls(fn) -> int:
+    seen = [0]
+
+    def tracer(frame, event, arg):
+        if event in ("call", "c_call"):
+            seen[0] += 1
+    sys.setprofile(tracer)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen[0]
+
+
+def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    device = torch.device("cpu")
+    bf16 = args.dtype == "bf16"
+    torch.manual_seed(0)
+    model = nanogpt.GPT(nanogpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers,
+                                          n_head=args.heads, n_embd=args.width))
+    run, opt, autocast = workload.SETUP[system](model, world, device, bf16)
+
+    def step(i):
+        g = torch.Generator().manual_seed(i)
+        xy = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=g)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = run(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(args.warmup):
+        step(i)
+    times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        step(100 + i)
+        times.append(time.perf_counter() - t0)
+    calls = python_calls(lambda: step(200))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(300)
+    return {"system": system, "layers": layers, "python_calls": calls, **counts(prof.events()),
+            "step_ms": statistics.median(times) * 1e3, "params": sum(p.numel() for p in model.parameters())}
+
+
+def markdown(rows: list[dict], args) -> str:
+    out = [f"### nanoGPT {args.width} wide, vocabulary {args.vocab}, {args.micro} x {args.seq} tokens, {args.dtype}, "
+           f"world 1, CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
+           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+           "| system | layers | python calls | eager ops | graph calls | autograd nodes | step (ms) |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['system']} | {r['layers']} | failed: {r['error'][:120]} |")
+            continue
+        out.append(f"| {r['system']} | {r['layers']} | {r['python_calls']:,} | {r['eager_ops']:,} | "
+                   f"{r['graph_calls']} | {r['autograd_nodes']} | {r['step_ms']:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="24,48")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per system and depth")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="host_work")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, args.tag)
+    rows = []
+    for layers in map(int, args.layers.split(",")):
+        for system in args.systems.split(","):
+            try:
+                rows.append(run_world(1, worker, system, layers, args, timeout=args.timeout)[0])
+            except WorkerFailed as e:
+                rows.append({"system": system, "layers": layers, "error": e.errors[0].strip().splitlines()[-1]})
+            print(rows[-1], flush=True)
+            with open(base + ".md", "w") as f:
+                f.write(markdown(rows, args))
+            with open(base + ".json", "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    print(markdown(rows, args))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
