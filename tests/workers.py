@@ -43,8 +43,10 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
         return WideMLP()
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
+        # training: no KV cache, so the blocks stay regions (docs/limitations.md; tests/test_hf_mixed_precision.py
+        # trains the same family with the cache on, its blocks inlined)
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
         return LlamaForCausalLM(cfg)
     raise ValueError(name)
 

@@ -83,21 +83,30 @@ def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
     from torch._higher_order_ops.utils import check_input_alias_and_mutation_return_outputs, materialize_as_graph
     # dynamo's fake values (symbolic sizes under dynamic shapes); example_inputs only where a node has none
     phs = {n: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)}
+    fake_mode = detect_fake_mode()  # the backend's (torch 2.13 gives it a copy of dynamo's, same shape env)
     done: set = set()
     for call in calls(gm):
         body = body_of(gm, call)
         if id(body) in done:
             continue
         done.add(id(body))
-        args = tuple(_example(a, phs) for a in operands(call))
-        fake_mode = detect_fake_mode(args)  # sizes may be symbolic: trace in their fake mode
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            # one fake mode for all: dynamo's values and the parameters unwrap_graph made in the backend's
+            args = tuple(_in_mode(_example(a, phs), fake_mode) for a in operands(call))
             traced = materialize_as_graph(body, args)
         if check_input_alias_and_mutation_return_outputs(traced)[3]:
             return "a block writes its inputs"
         if any(map(_draws_random, traced.graph.nodes)):
             return "random ops (dropout) in a block"
     return None
+
+
+def _in_mode(x, fake_mode):
+    """`x` as a fake tensor of `fake_mode` (a fake of another mode: a new one of the same layout)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if fake_mode is None or not isinstance(x, FakeTensor) or x.fake_mode is fake_mode:
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
 
 
 def _example(arg, phs: dict):

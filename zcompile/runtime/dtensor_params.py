@@ -147,6 +147,8 @@ def refresh_tokens() -> None:
         for name, ref in names.items():
             zp = ref()
             if zp is not None and zp.token is not None and module._parameters.get(name) is zp.held():
+                if zp.token.dtype != zp.compute_dtype:  # a config named it after the token was made
+                    zp.token = token(zp)
                 tokens[name] = zp.token
             else:
                 tokens.pop(name, None)

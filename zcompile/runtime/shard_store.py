@@ -136,10 +136,9 @@ class ShardedParam:
         return None
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """A config names the compute dtype after a load registered the parameter without one (its token follows
+        at the next trace: dtensor_params.refresh_tokens)."""
         self.compute_dtype, self.compute_dtype_set = dtype, True
-        if self.token is not None:  # what traces read for the parameter has the dtype the forward computes in
-            from zcompile.runtime import dtensor_params
-            self.token = dtensor_params.token(self)
 
     def attach_master(self) -> None:
         """The host fp32 master an offloaded optimizer steps, once the tier is known (a compile's commit step
