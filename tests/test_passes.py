@@ -234,6 +234,23 @@ def test_bucket_collectives_merges_gathers_and_reductions():
     assert rec.op == "reduce_scatter" and rec.members == [12, 18] and rec.numel == 60
 
 
+def test_bucket_collectives_casts_a_bucket_once():
+    """Members that gather bf16 casts of their fp32 shards: the bucket concatenates the shards and casts once (one
+    op per bucket where the issue runs eagerly, instead of one per parameter), and still moves bf16 bytes."""
+    def fw(primals_1, primals_2, x):
+        h = torch.mm(x.to(torch.bfloat16), primals_1.to(torch.bfloat16).t())
+        return torch.mm(h, primals_2.to(torch.bfloat16).t())
+    ctx = context({"stage": 3, "bucket_mb": 1}, "forward", {0: (6, 4), 1: (6, 6)}, 3)
+    gm = bucket_collectives.run(shard_params.run(trace(fw, (6, 4), (6, 6), (3, 4)), ctx), ctx)
+    names = ops(gm)
+    assert names.count("convert_element_type") == 1 and names.count("cat") == 1, names
+    cast = call(gm, "convert_element_type")
+    assert cast.args[0].target is torch.ops.aten.cat.default and cast.args[1] == torch.bfloat16
+    assert [a.op for a in cast.args[0].args[0]] == ["placeholder", "placeholder"]  # the fp32 shards
+    (rec,) = records(gm)
+    assert rec.dtype == torch.bfloat16 and rec.bytes == 60 * 2
+
+
 def _in_block(gm: fx.GraphModule, target_ops: dict[str, str]) -> None:
     """Give the named op's nodes a module stack, as dynamo records it for `blocks.<k>` of a model."""
     for n in gm.graph.nodes:

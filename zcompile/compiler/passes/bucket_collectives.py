@@ -22,6 +22,7 @@ from zcompile.compiler import blocks, collectives
 from zcompile.compiler.passes import placement
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
 
@@ -89,8 +90,13 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
     total = sum(shard_sizes)
     order = {n: k for k, n in enumerate(graph.nodes)}
     earliest_wait = min((collectives.wait_of(m) for m in members), key=order.get)
+    dtype = _one_cast(members)
     with graph.inserting_before(first):
-        flat = graph.call_function(aten.cat.default, (srcs,))
+        if dtype is None:
+            flat = graph.call_function(aten.cat.default, (srcs,))
+        else:  # every member casts its shard to the bucket's dtype: cast the bucket once, not each member
+            flat = graph.call_function(prims.convert_element_type.default,
+                                       (graph.call_function(aten.cat.default, ([c.args[0] for c in srcs],)), dtype))
         buf = graph.call_function(aten.new_empty.default, (flat, [world * total]))
         ag = graph.call_function(c10d.all_gather_into_tensor_out.default, (flat, world, group), {"out": buf})
     _annotate(ag, "all_gather", members,
@@ -108,6 +114,23 @@ def _merge_gathers(graph: fx.Graph, members: list[fx.Node], bucket_id: int, kind
         offset += size
     for m, full in zip(members, fulls):
         collectives.replace_gather(graph, m, full)
+    if dtype is not None:
+        for c in srcs:
+            graph.erase_node(c)
+
+
+def _one_cast(members: list[fx.Node]) -> torch.dtype | None:
+    """The dtype every member gathers a cast of a same-dtype tensor in, each cast read by its gather alone
+    (shard_params casts a shard to the compute dtype before its gather); else None."""
+    srcs = [m.args[0] for m in members]
+    if not all(c.op == "call_function" and c.target is prims.convert_element_type.default
+               and set(c.users) <= {m, m.kwargs.get("out")} and isinstance(c.args[0], fx.Node)
+               for c, m in zip(srcs, members)):
+        return None
+    dtypes = {getattr(c.args[0].meta.get("val"), "dtype", None) for c in srcs}
+    if len({c.args[1] for c in srcs}) != 1 or len(dtypes) != 1 or None in dtypes:
+        return None
+    return srcs[0].args[1]
 
 
 def _merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket_id: int, op: str) -> None:
