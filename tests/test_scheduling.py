@@ -109,6 +109,28 @@ def test_a_kernel_output_never_takes_a_buffer_read_later():
     assert live.peak_bytes == 3 * kb  # x, u and v at the second matmul
 
 
+def test_a_kernel_output_takes_no_buffer_of_another_compiled_region():
+    """Regional compile: a block's region receives what an earlier region computed as an input, which its kernels
+    never write over (inductor reuses only its own buffers), even where the input dies there."""
+    def f(a, b, v):
+        w = a @ b.t()             # block 0, 64 KiB, alive to the end
+        x = a @ b                 # block 0, 64 KiB, dies in block 1's kernel below
+        y = (x * 2).relu()        # block 1: one kernel reading x; written (a matmul reads it)
+        z = y @ v                 # block 1, 512 bytes
+        return z.sum() + w.sum()
+    gm = _fake_graph(f, (128, 128), (128, 128), (128, 1))
+    blocks = {"mm": "blocks.0", "mm_1": "blocks.0", "mul": "blocks.1", "relu": "blocks.1", "mm_2": "blocks.1"}
+    for n in gm.graph.nodes:
+        if n.name in blocks:
+            n.meta["nn_module_stack"] = {blocks[n.name]: (blocks[n.name], torch.nn.Module)}
+        elif n.op == "call_function":
+            n.meta["nn_module_stack"] = {"head": ("head", torch.nn.Module)}
+    liveness.compiled_by_inductor(gm, regional=True)
+    live = liveness.analyze(gm)
+    kb = 64 * 1024
+    assert live.peak_bytes == 3 * kb, live.live_after  # w, x and y at the kernel of y
+
+
 def test_saved_activations_the_backward_releases_count_as_transients():
     def f(saved, w):
         g = saved @ w             # the saved activation dies here
