@@ -2,6 +2,8 @@
 zcompile and under FSDP2 (`fully_shard` per block and at the root) with the same init and data."""
 from __future__ import annotations
 
+import io
+
 import torch
 
 import zcompile
@@ -78,7 +80,14 @@ def fsdp2_run(rank: int, family: str, dtype: str) -> dict:
 def zcompile_run(rank: int, family: str, dtype: str, stage: int, backend: str = "eager") -> dict:
     reset_dynamo()
     config = {"stage": stage, "backend": backend, "mixed_precision": {"param_dtype": dtype}}
-    return _train(torch.compile(build(family), backend="zero", options={"config": config}), rank)
+    model = build(family)
+    out = _train(torch.compile(model, backend="zero", options={"config": config}), rank)
+    if stage == 0:  # the parameters stay plain: the trained model pickles as the user's own classes
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        out["pickled"] = [type(m) for m in loaded.modules()] == [type(m) for m in build(family).modules()]
+    return out
 
 
 def matrix(rank: int, world: int, families: list[str], dtype: str, stages: list[int], backend: str = "eager"

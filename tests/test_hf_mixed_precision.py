@@ -22,6 +22,7 @@ def _check(results: list, families, stages, dtype: torch.dtype) -> None:
                 assert got["logits"] == ref["logits"] == dtype, where
                 assert got["losses"] == pytest.approx(ref["losses"], rel=REL), where
                 assert got["losses"][0] - got["losses"][-1] > LEARNS, where
+                assert got.get("pickled", stage != 0), where  # torch.save(model) at stage 0
 
 
 @pytest.mark.parametrize("family", hf_workers.FAMILIES)

@@ -404,9 +404,9 @@ def _deepcopy(self, memo):
 def _reduce_as_base(self, protocol):
     """A module whose plain parameters have tokens (token_module) pickles and deep-copies as its own class, without
     them (a copy compiled with zcompile gets its own)."""
-    rebuild, args, state, *rest = object.__reduce_ex__(self, protocol)
-    state = {k: v for k, v in state.items() if k not in ("_zc_tokens", "_zc_instance", "_zc_compute_device")}
-    return (rebuild, (self._zc_base, *args[1:]), state, *rest)
+    import copyreg
+    state = {k: v for k, v in self.__dict__.items() if k not in ("_zc_tokens", "_zc_instance", "_zc_compute_device")}
+    return copyreg._reconstructor, (self._zc_base, object, None), state
 
 
 def _no_pickle(self, protocol):

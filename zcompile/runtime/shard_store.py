@@ -130,6 +130,11 @@ class ShardedParam:
                 self.spill()
             self.attach_master()
 
+    def __reduce__(self):
+        """pickle (torch.save of a stage-0 model, whose parameters stay plain and carry their ShardedParam) drops the
+        link, as a deep copy does: the loaded parameter is not zcompile's until a compile registers it."""
+        return type(None), ()
+
     def __deepcopy__(self, memo):
         """copy.deepcopy of a DTensor parameter copies its attributes (the modules copy theirs themselves, see
         dtensor_params._deepcopy): the copy is a DTensor of its own, not zcompile's (owner() of it is None)."""

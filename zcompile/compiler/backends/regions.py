@@ -439,8 +439,8 @@ def _run_eagerly(sub: fx.GraphModule) -> Callable:
             sub.graph.erase_node(n)
         elif _holds(n):
             sub.graph.erase_node(n)
-        elif n.target is torch.ops.prims.convert_element_type.default:  # aten's cast: one C++ op, not the
-            n.target, n.args, n.kwargs = torch.ops.aten._to_copy.default, n.args[:1], {"dtype": n.args[1]}  # prim's Python
+        elif n.target is torch.ops.prims.convert_element_type.default:  # aten's: one C++ op, not the prim's Python
+            n.target, n.args, n.kwargs = torch.ops.aten._to_copy.default, n.args[:1], {"dtype": n.args[1]}
     sub.recompile()
 
     def run(args: list):

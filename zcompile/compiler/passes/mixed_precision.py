@@ -4,9 +4,9 @@ Inserts `.to(param_dtype)` after each parameter and floating user-input placehol
 AOTAutograd traces bf16 compute whose gradients flow back to the fp32 master parameters through the casts. Dynamo
 traced the model's code over the parameters' tokens, which are in the compute dtype already (docs/architecture.md,
 "Mixed precision"): what the code derived from their dtype is bf16, and these casts make the placeholders, now the
-fp32 parameters, match that. Buffers are left in their own dtype (as FSDP does). The outputs stay in the compute dtype, as with FSDP2's
-`MixedPrecisionPolicy` (its `output_dtype` None): a cast back of a language model's logits is a full fp32 copy of
-them, with an fp32 gradient in the backward (3.3 GB each for GPT-2 124M at 16 x 1024 tokens).
+fp32 parameters, match that. Buffers are left in their own dtype (as FSDP does). The outputs stay in the compute
+dtype, as with FSDP2's `MixedPrecisionPolicy` (its `output_dtype` None): a cast back of a language model's logits is
+a full fp32 copy of them, with an fp32 gradient in the backward (3.3 GB each for GPT-2 124M at 16 x 1024 tokens).
 `mixed_precision.output_dtype: fp32` inserts `.to(original dtype)` before each floating output, the same policy as
 running the model after `.to(bf16)` with fp32 master weights.
 """
