@@ -65,11 +65,13 @@ def test_bf16_with_float_inputs_and_batchnorm():
         assert b["losses"] == pytest.approx(a["losses"], rel=5e-2, abs=1e-2)
         assert b["losses"][-1] < b["losses"][0]
         # BatchNorm's running statistics: buffers stay fp32 and the bf16 forward updates them, as the fp32 one does
+        # (measured: within 0.016 of fp32's after six steps, having moved 0.11-0.13 (mean) and 0.40 (var) from their
+        # initial 0 and 1)
         assert set(b["buffers"]) == {"net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"}
         for name, value in a["buffers"].items():
-            torch.testing.assert_close(b["buffers"][name], value, rtol=2e-2, atol=1e-2, msg=name)
-        assert (b["buffers"]["net.1.running_mean"]).abs().max() > 0.1  # moved from 0 and 1, where they start
-        assert (b["buffers"]["net.1.running_var"] - 1).abs().max() > 0.1
+            torch.testing.assert_close(b["buffers"][name], value, rtol=0, atol=3e-2, msg=name)
+        assert (b["buffers"]["net.1.running_mean"]).abs().max() > 0.06
+        assert (b["buffers"]["net.1.running_var"] - 1).abs().max() > 0.2
 
 
 @pytest.mark.parametrize("stage", [1, 3])
