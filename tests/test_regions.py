@@ -576,7 +576,7 @@ def _isa_probe_calls(rank: int, world: int, flags: list | None = None) -> dict:
 
 
 @pytest.mark.parametrize("flags", [None, ["avx2"]], ids=["this-cpu", "avx2-only"])
-def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile(flags):
+def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile(flags, tmp_path):
     """zcompile/compiler/backends/warmup.py: the zero backend starts inductor's one-time ISA check (a g++ build of
     ATen's vector headers and a child process, seconds) when first entered, beside dynamo's trace and the passes,
     for the one ISA inductor will use; the first inductor compile waits for it and fills inductor's list from the
@@ -589,7 +589,8 @@ def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile(
     from tests.harness import run_world
     if flags is not None and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 flags on another platform")
-    (res,) = run_world(1, _isa_probe_calls, flags)
+    # a cache of its own: inductor's caches would hand the AVX2-only process this CPU's kernels (built for AVX-512)
+    (res,) = run_world(1, _isa_probe_calls, flags, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     calls = res["calls"]
     assert res["probed"] == 1 and "compile_inductor" in calls, calls
     probes = [c for c in calls if c != "compile_inductor"]
