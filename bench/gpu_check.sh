@@ -2,7 +2,8 @@
 # The checks to run when a session is lent a GPU: one device call of about 9 minutes, leaving time to rerun.
 #   run(command="bash bench/gpu_check.sh", timeout_s=570)              # the two GPT-2 workloads
 #   run(command="bash bench/gpu_check.sh llama tests", timeout_s=570)  # a chosen subset, in this order
-# Parts: gpt2-124M (16 x 1024 tokens), gpt2-774M (8 x 1024), llama (Llama-style 1B, 8 x 1024), tests
+# Parts: gpt2-124M (16 x 1024 tokens), gpt2-774M (8 x 1024), llama (Llama-style 1B, 8 x 1024), cpu-adam (the host's
+# optimizer update rate against its memory bandwidth), tests
 # (tests/test_gpu.py). Each workload part is bench/workload.py with plain torch.compile, FSDP2 + torch.compile,
 # zcompile stage 3 and zcompile with the optimizer on the host, one system after the other, each under its own
 # timeout, the table rewritten as each finishes; zcompile's step is profiled (torch.profiler table).
@@ -35,12 +36,16 @@ for part in $parts; do
         gpt2-774M) workload gpt2-774M 150 --model gpt2-774M --micro 8 --seq 1024 ;;
         llama) workload llama-1B 150 --model llama-1B --micro 8 --seq 1024 \
                    --systems torch_compile,fsdp2_compile,zcompile_z3 ;;
+        cpu-adam)  # the host's update rate against its memory bandwidth (issue 57), 100M and 1B elements
+            timeout 300 python bench/cpu_adam_rate.py --sizes 100M,1B --out "$OUT" > "$OUT/cpu-adam.txt" 2>&1
+            since "cpu-adam" $?
+            tail -13 "$OUT/cpu-adam.txt" ;;
         tests)
             timeout 200 python -m pytest -v -p no:cacheprovider tests/test_gpu.py > "$OUT/tests.txt" 2>&1
             since "test_gpu" $?
             grep -E " (PASSED|FAILED|ERROR)" "$OUT/tests.txt"
             tail -2 "$OUT/tests.txt" ;;
-        *) echo "unknown part $part (gpt2-124M, gpt2-774M, llama, tests)" ;;
+        *) echo "unknown part $part (gpt2-124M, gpt2-774M, llama, cpu-adam, tests)" ;;
     esac
 done
 date -u
