@@ -2,7 +2,7 @@
 beside plain torch.compile and FSDP2 + torch.compile, at two depths (work that grows with the parameter count shows
 as a column that doubles).
 
-    python bench/host_work.py                      # nanoGPT, 24 and 48 layers x 64, vocabulary 256, 2 x 64 tokens, bf16
+    python bench/host_work.py                      # nanoGPT, 8 and 24 layers x 64, vocabulary 256, 2 x 64 tokens, bf16
 
 Per system (bench/workload.py's setups, world 1, gloo) and depth, one training step after --warmup steps
 (forward, backward, clip_grad_norm_(1.0), AdamW in nanoGPT's groups, zero_grad), counted on the host:
@@ -123,7 +123,7 @@ def markdown(rows: list[dict], args) -> str:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", default="24,48")
+    ap.add_argument("--layers", default="8,24")
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
