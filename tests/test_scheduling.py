@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tests import workers
 from tests.harness import run_world
 from tests.test_parity import TOL, max_diff
+from tests.test_passes import _in_block
 from zcompile.compiler import liveness
 
 
@@ -120,11 +121,7 @@ def test_a_kernel_output_takes_no_buffer_of_another_compiled_region():
         return z.sum() + w.sum()
     gm = _fake_graph(f, (128, 128), (128, 128), (128, 1))
     blocks = {"mm": "blocks.0", "mm_1": "blocks.0", "mul": "blocks.1", "relu": "blocks.1", "mm_2": "blocks.1"}
-    for n in gm.graph.nodes:
-        if n.name in blocks:
-            n.meta["nn_module_stack"] = {blocks[n.name]: (blocks[n.name], torch.nn.Module)}
-        elif n.op == "call_function":
-            n.meta["nn_module_stack"] = {"head": ("head", torch.nn.Module)}
+    _in_block(gm, {n.name: blocks.get(n.name, "head") for n in gm.graph.nodes if n.op == "call_function"})
     liveness.compiled_by_inductor(gm, regional=True)
     live = liveness.analyze(gm)
     kb = 64 * 1024

@@ -658,7 +658,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options: dict | None = None, **
     before_trace.prepare(cfg, ctx)
     if not dtensor_params.trace_once_supported():
         _refuse_nested_regions(gm)  # before sharding: with DTensor parameters torch 2.11's dynamo fails on them itself
-    if cfg.stage >= Stage.OPTIMIZER or cfg.mixed_precision.enabled:
+    if dtensor_params.rewrites_modules(cfg):
         _shard_modules_of(gm, example_inputs, cfg, ctx)  # restarts dynamo when it replaced parameters
     job, run = _compile_graph(gm, example_inputs, cfg, ctx, commit=True)
     _COMPILED.add(job)

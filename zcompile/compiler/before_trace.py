@@ -34,7 +34,6 @@ from torch._dynamo.exc import UncapturedHigherOrderOpError
 
 from zcompile import config as zconfig
 from zcompile.compiler.backends import warmup
-from zcompile.config import Stage
 from zcompile.errors import reported_as_zcompile_errors
 from zcompile.runtime import dtensor_params
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
@@ -97,7 +96,7 @@ def _shard_modules(options: dict | None, modules: list[nn.Module]) -> None:
         ctx = DistContext.current()
     except (zconfig.ConfigError, RuntimeError, ValueError):
         return  # the backend raises it with its context
-    if cfg.stage < Stage.OPTIMIZER and not cfg.mixed_precision.enabled:
+    if not dtensor_params.rewrites_modules(cfg):
         return
     prepare(cfg, ctx)  # sharding may build meshes: under the configured timeout, as in the backend
     with reported_as_zcompile_errors():

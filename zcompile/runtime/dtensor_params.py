@@ -21,6 +21,7 @@ Not DTensors (they stay plain, storage-free stand-ins as before): 0-d parameters
 from __future__ import annotations
 
 import copy
+import copyreg
 import functools
 import itertools
 import threading
@@ -163,9 +164,15 @@ def shard_parameters(model: nn.Module, config) -> nn.Module:
     from zcompile import config as zconfig
     cfg = zconfig.from_options({"config": config})
     ctx = dist_context.DistContext.current()
-    if cfg.stage >= Stage.OPTIMIZER:
+    if rewrites_modules(cfg):
         shard_model(getattr(model, "_orig_mod", model), cfg, ctx)
     return model
+
+
+def rewrites_modules(cfg) -> bool:
+    """Whether a config changes how the model's modules hold or present their parameters: DTensors at stages 1-3,
+    compute-dtype tokens at stage 0 under mixed precision (shard_model)."""
+    return cfg.stage >= Stage.OPTIMIZER or cfg.mixed_precision.enabled
 
 
 def shard_model(root: nn.Module, cfg, ctx) -> int:
@@ -202,8 +209,7 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
                 p._zc_dtensor = done[id(p)]  # an optimizer built before this still holds p: adopt_optimizer maps it
             module._parameters[name] = done[id(p)]
             zp = done[id(p)]._zc
-            module.__dict__.setdefault("_zc_tokens", {})[name] = zp.token
-            _OWNED.setdefault(module, {})[name] = weakref.ref(zp)
+            _own(module, name, zp)
             names.append(name)
             if zp.standin_device != done[id(p)].device:  # a host-offloaded shard of a parameter computed on a GPU
                 module.__dict__.setdefault("_zc_compute_device", {})[name] = zp.standin_device
@@ -235,12 +241,17 @@ def token_module(root: nn.Module, register) -> int:
                 zp.name = zp.name or f"{path}.{name}".lstrip(".")
                 zp.token = token(zp)
                 count += 1
-            module.__dict__.setdefault("_zc_tokens", {})[name] = zp.token
-            _OWNED.setdefault(module, {})[name] = weakref.ref(zp)
+            _own(module, name, zp)
             names.append(name)
         if names:
             _with_properties(module, names, replicated=True)
     return count
+
+
+def _own(module: nn.Module, name: str, zp: shard_store.ShardedParam) -> None:
+    """Record that `module.<name>` is zp's (refresh_tokens, _reattach) and what traces read for it."""
+    module.__dict__.setdefault("_zc_tokens", {})[name] = zp.token
+    _OWNED.setdefault(module, {})[name] = weakref.ref(zp)
 
 
 def owned(module: nn.Module) -> dict:
@@ -404,7 +415,6 @@ def _deepcopy(self, memo):
 def _reduce_as_base(self, protocol):
     """A module whose plain parameters have tokens (token_module) pickles and deep-copies as its own class, without
     them (a copy compiled with zcompile gets its own)."""
-    import copyreg
     state = {k: v for k, v in self.__dict__.items() if k not in ("_zc_tokens", "_zc_instance", "_zc_compute_device")}
     return copyreg._reconstructor, (self._zc_base, object, None), state
 

@@ -140,11 +140,6 @@ class ShardedParam:
         dtensor_params._deepcopy): the copy is a DTensor of its own, not zcompile's (owner() of it is None)."""
         return None
 
-    def set_compute_dtype(self, dtype: torch.dtype) -> None:
-        """A config names the compute dtype after a load registered the parameter without one (its token follows
-        at the next trace: dtensor_params.refresh_tokens)."""
-        self.compute_dtype, self.compute_dtype_set = dtype, True
-
     def attach_master(self) -> None:
         """The host fp32 master an offloaded optimizer steps, once the tier is known (a compile's commit step
         makes it for 'auto' tiers the planner sent to the host)."""
@@ -432,7 +427,9 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
                 raise RuntimeError(f"parameter of shape {tuple(param.shape)} is computed in {zp.compute_dtype}; a "
                                    f"compile asks for {compute_dtype} (mixed_precision.param_dtype): use one config "
                                    "per model")
-            zp.set_compute_dtype(compute_dtype)  # registered without a config (load_checkpoint before a forward)
+            # registered without a config (load_checkpoint before a forward); its token follows at the next trace
+            # (dtensor_params.refresh_tokens)
+            zp.compute_dtype, zp.compute_dtype_set = compute_dtype, True
         if zp.stage != stage or zp.world != ctx.world:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is already sharded for stage {zp.stage} "
                                f"over {zp.world} ranks; it cannot also be compiled with stage {stage} over "
