@@ -40,13 +40,14 @@ _AUTOGRAD = "autograd::engine::evaluate_function: "
 
 def counts(events) -> dict:
     """The profiler's counts of one step (see the module doc)."""
-    eager = graphs = autograd = 0
+    eager = graphs = autograd = accumulate = 0
     for e in events:
         name = e.name
         if name.startswith(_GRAPH_CALL):
             graphs += 1
         elif name.startswith(_AUTOGRAD):
             autograd += 1
+            accumulate += name.endswith("AccumulateGrad")
         elif name.startswith(_OP_PREFIXES):
             parent, top = e.cpu_parent, True
             while parent is not None:
@@ -55,7 +56,7 @@ def counts(events) -> dict:
                     break
                 parent = parent.cpu_parent
             eager += top
-    return {"eager_ops": eager, "graph_calls": graphs, "autograd_nodes": autograd}
+    return {"eager_ops": eager, "graph_calls": graphs, "autograd_nodes": autograd, "accumulate_grad": accumulate}
 
 
 def python_calls(fn) -> int:
@@ -103,7 +104,8 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(300)
     return {"system": system, "layers": layers, "python_calls": calls, **counts(prof.events()),
-            "step_ms": statistics.median(times) * 1e3, "params": sum(p.numel() for p in model.parameters())}
+            "step_ms": statistics.median(times) * 1e3, "params": sum(p.numel() for p in model.parameters()),
+            "tensors": len(list(model.parameters()))}
 
 
 def markdown(rows: list[dict], args) -> str:

@@ -751,8 +751,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
                                 "model again")
         # dynamo passes the meshes of DTensor parameters as graph inputs on some versions, not on others
         args = [a for k, a in enumerate(args) if k not in skip] if len(args) > kept else list(args)
-        for i, zp in job.params.items():
-            args[i] = zp.graph_input(args[i])
+        shard_store.graph_inputs(args, job.params)
         return job.compiled(*args)
 
     return job, run

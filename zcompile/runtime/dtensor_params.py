@@ -10,7 +10,7 @@ forward it returns the DTensor; inside a forward it returns the whole parameter,
 `model.generate`) that really all-gathers, and the backward reduce-scatters into `p.grad`. Under dynamo the same code
 leaves `placeholder(DTensor) -> redistribute -> to_local` in the graph; `unwrap_graph` collapses each chain into
 one plain placeholder of the parameter's full shape, so the passes see what they always saw, and the backend feeds
-that placeholder with the shard (`graph_input`), whose gradient `_GradToParam` hands back to `p.grad`.
+that placeholder with the shard (`graph_input`), whose gradient `_GradsToParams` hands back to `p.grad`.
 Dynamo guards on the DTensor itself, so `requires_grad_` toggled between steps recompiles as it should. While dynamo
 traces for the zero backend the property returns a stand-in token instead, which costs dynamo less ([Note: tokens]);
 the backend then guards on the DTensor's requires_grad itself.
@@ -69,6 +69,7 @@ def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout
     param = nn.Parameter(zp.as_dtensor(zp.local_rows(), zp.mesh), requires_grad=requires_grad)
     param._zc = zp
     zp.dtensor = param
+    shard_store.layout_changed()
     zp.wrapper_storage = param.untyped_storage()._cdata
     retire(zp)
     zp.token = token(zp)

@@ -40,7 +40,7 @@ def check(optimizer, zps: list) -> None:
     device = DistContext.current().device  # the group's: a host-offloaded shard's gradient is on the host
     flags = torch.zeros(2 * zp0.world, dtype=torch.int32, device=device)
     if grads:
-        norms = torch._foreach_norm([g.detach() for g in grads], float("inf"))
+        norms = torch._foreach_norm(grads, float("inf"))  # gradients need no grad: no detach per parameter
         flags[zp0.rank] = (~torch.isfinite(torch.stack([n.to(device) for n in norms])).all()).to(torch.int32)
     losses = [zp.loss_nonfinite for zp in zps if zp.loss_nonfinite is not None]
     if losses:

@@ -43,6 +43,14 @@ from zcompile.errors import ZeroError
 from zcompile.config import Stage, Tier
 
 _keys = itertools.count()
+_layouts = itertools.count()  # counter: bumped when what an optimizer steps for a parameter may change (_Stepped)
+_layout = next(_layouts)
+
+
+def layout_changed() -> None:
+    """A parameter's owner, optimizer tensor or tier changed: optimizers look at their parameters again."""
+    global _layout
+    _layout = next(_layouts)
 
 
 class ShardedParam:
@@ -54,6 +62,7 @@ class ShardedParam:
         if not param.is_floating_point():
             raise TypeError(f"zcompile shards floating-point parameters only, got {param.dtype}")
         self.param_ref = weakref.ref(param)
+        layout_changed()
         self.stage, self.rank, self.world = Stage(stage), ctx.rank, ctx.world
         self.group_name, self.group = ctx.group_name, ctx.group
         self.cross_fraction = 0.0  # of a world all-gather's bytes, the share crossing nodes (set by the backend)
@@ -116,6 +125,7 @@ class ShardedParam:
         self.token: torch.Tensor | None = None  # what zero-backend traces read for that DTensor (dtensor_params)
         self.mesh = None  # the device mesh of that DTensor
         self._grad_spec = None  # the DTensorSpec of its gradients (grad_dtensor)
+        self._rows_layout = None  # (shape, stride) of this rank's rows (_grad_rows)
         self.wrapper_storage = None  # its own (data-less) storage: `p.data = t` replaces it, see check_not_reassigned
         self.name = ""  # the parameter's name in the module that registered it (for messages)
         self.seen_version = self.versions()  # of the storage the full copy was last gathered from
@@ -152,6 +162,7 @@ class ShardedParam:
                                    requires_grad=self.shard.requires_grad)
         self.master.detach().copy_(self.shard.detach())
         self.master._zc_owner = self
+        layout_changed()
 
     def decide_optimizer_tier(self, offload: bool) -> None:
         """offload.optimizer 'auto': the planner's choice, made once, before the optimizer first steps (the
@@ -159,6 +170,7 @@ class ShardedParam:
         if self.optim_tier != Tier.AUTO:
             return
         self.optim_tier = Tier.CPU if offload and self.stage >= Stage.GRADIENTS else Tier.DEVICE
+        layout_changed()
 
     # -- offload tiers
     @property
@@ -251,8 +263,9 @@ class ShardedParam:
             self._secondary = torch.empty(self.secondary_numel, dtype=self.secondary_dtype, device=self.shard.device)
         return self._secondary
 
-    def graph_input(self, arg: torch.Tensor) -> torch.Tensor:
-        """What the compiled graph takes for this parameter, given what dynamo passed (the DTensor or the stand-in)."""
+    def graph_input(self, arg: torch.Tensor) -> torch.Tensor | None:
+        """What the compiled graph takes for this parameter, given what dynamo passed (the DTensor or the stand-in);
+        None for a DTensor parameter whose gradient the graph computes (`graph_inputs` hands those over)."""
         self.compiled_calls += 1
         if self.dtensor is not None and (arg is self.dtensor or arg is self.token):
             check_not_reassigned(self)
@@ -264,7 +277,7 @@ class ShardedParam:
                     "zcompile.shard_parameters(model, config) before taking them), e.g. "
                     "`for p in model.block.parameters(): p.requires_grad_(True)`")
             if self.dtensor.requires_grad and torch.is_grad_enabled():
-                return _GradToParam.apply(self.dtensor, self)
+                return None
             return self.graph_tensor()
         return self.shard if self.stage >= Stage.GRADIENTS else self.param
 
@@ -302,10 +315,11 @@ class ShardedParam:
         gradients (_from_local_no_grad): the DTensor constructor over a spec made once, not DTensor.from_local,
         whose autograd function and argument handling cost about as much as a small kernel launch per parameter
         and step (measured on an H200, 2026-11-26: 60-100 us of CPU per parameter)."""
-        flat = g.reshape(-1)
-        rows = self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
         if torch.compiler.is_compiling():  # compiled autograd traces this: the traceable constructor
+            flat = g.reshape(-1)
+            rows = self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
             return self.as_dtensor(rows, self.dtensor.device_mesh)
+        rows = self._grad_rows(g)
         from torch.distributed.tensor import DTensor
         mesh, spec = self.dtensor.device_mesh, self._grad_spec
         if spec is None or spec.mesh is not mesh or spec.tensor_meta.dtype != rows.dtype:
@@ -314,7 +328,21 @@ class ShardedParam:
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
             meta = TensorMeta(torch.Size(self.shape), make_contiguous_strides_for(self.shape), rows.dtype)
             spec = self._grad_spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
-        return DTensor(rows, spec, requires_grad=False)
+        # __new__ alone: DTensor.__init__ does nothing but costs a dynamo-disabling wrapper (~10 Python calls)
+        return DTensor.__new__(DTensor, rows, spec, requires_grad=False)
+
+    def _grad_rows(self, g: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a graph's gradient of graph_tensor(): one view op (as_rows costs three)."""
+        if not g.is_contiguous():
+            flat = g.reshape(-1)
+            return self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
+        if self._rows_layout is None:
+            from torch._prims_common import make_contiguous_strides_for
+            shape = ((self.hi - self.lo) // self.row_numel, *self.shape[1:])
+            self._rows_layout = (shape, make_contiguous_strides_for(shape))
+        shape, stride = self._rows_layout
+        skip = self.lo if self.stage == Stage.OPTIMIZER else 0
+        return g.as_strided(shape, stride, g.storage_offset() + skip)
 
     def versions(self) -> tuple:
         """Write counters of this rank's part: the full buffer's, the DTensor's (an in-place op on a DTensor bumps
@@ -574,18 +602,11 @@ def _reshard_state(value, zp: ShardedParam, target: torch.Tensor):
     return flat
 
 
-def _managed(optimizer: torch.optim.Optimizer) -> list[ShardedParam]:
-    return [zp for g in optimizer.param_groups for p in g["params"] if (zp := owner(p)) is not None]
-
-
-def _check_all_managed(optimizer: torch.optim.Optimizer) -> None:
+def _check_all_managed(stepped: "_Stepped") -> None:
     """A parameter that ran only in eager code (e.g. a graph break inside a loop) never had its gradient
     averaged across ranks: stepping it would silently let the ranks' replicas drift apart."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not any(owner(p) is not None for p in params):
-        return
-    stray = [tuple(p.shape) for p in params if owner(p) is None and p.grad is not None]
-    eager = [zp.shape for zp in map(owner, params) if zp is not None and _has_eager_grad(zp)]
+    stray = [tuple(p.shape) for p in stepped.plain if p.grad is not None]
+    eager = [zp.shape for zp in stepped.not_dtensor if _has_eager_grad(zp)]
     if eager:
         raise RuntimeError(
             f"{len(eager)} sharded parameter(s) (shapes {eager[:4]}) got gradients from eager code, not from a graph "
@@ -620,30 +641,56 @@ def _check_offloaded_optimizer(optimizer, zps: list[ShardedParam]) -> None:
         attach(nvme)
 
 
+class _Stepped:
+    """What an optimizer steps, as zcompile's step hooks need it: worked out again only when its parameter list or a
+    parameter's layout changed (`layout_changed`), not per parameter at every step (issue 56: these hooks run for
+    every optimizer in the process)."""
+
+    def __init__(self, optimizer):
+        adopt_optimizer(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.key, self.layout = tuple(map(id, params)), _layout
+        self.params = params  # holds them: the ids in `key` stay theirs
+        self.zps = [zp for p in params if (zp := owner(p)) is not None]
+        self.plain = [p for p in params if owner(p) is None] if self.zps else []
+        self.not_dtensor = [zp for zp in self.zps if zp.dtensor is None]
+        self.enter = [zp for zp in self.not_dtensor if zp.stage == Stage.OPTIMIZER]
+        self.offloaded = [zp for zp in self.zps if zp.optim_tier in (Tier.CPU, Tier.NVME)]
+
+    @staticmethod
+    def of(optimizer) -> "_Stepped":
+        key = tuple(map(id, itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+        seen = optimizer.__dict__.get("_zc_stepped")
+        if seen is None or seen.key != key or seen.layout != _layout:
+            seen = optimizer._zc_stepped = _Stepped(optimizer)
+        return seen
+
+
 def _pre_step(optimizer, args, kwargs) -> None:
-    adopt_optimizer(optimizer)
-    _check_all_managed(optimizer)
-    zps = _managed(optimizer)
-    _check_offloaded_optimizer(optimizer, zps)
-    if zps:
-        nonfinite.check(optimizer, zps)
+    stepped = _Stepped.of(optimizer)
+    zps = stepped.zps
+    if not zps:
+        return
+    _check_all_managed(stepped)
+    _check_offloaded_optimizer(optimizer, stepped.offloaded)
+    nonfinite.check(optimizer, zps)
     for zp in zps:
         check_not_reassigned(zp)
-        if zp.stage == Stage.OPTIMIZER and zp.dtensor is None:
-            zp.enter_step()
-        if zp.optim_tier in (Tier.CPU, Tier.NVME):
-            zp.before_offloaded_step()
+    for zp in stepped.enter:
+        zp.enter_step()
+    for zp in stepped.offloaded:
+        zp.before_offloaded_step()
 
 
 def _post_step(optimizer, args, kwargs) -> None:
-    zps = _managed(optimizer)
-    for zp in zps:
+    stepped = _Stepped.of(optimizer)
+    for zp in stepped.zps:
         zp.compiled_calls = 0
         zp.written = True
-        if zp.stage == Stage.OPTIMIZER and zp.dtensor is None:
-            zp.exit_step()
-        if zp.optim_tier in (Tier.CPU, Tier.NVME):
-            zp.after_offloaded_step()
+    for zp in stepped.enter:
+        zp.exit_step()
+    for zp in stepped.offloaded:
+        zp.after_offloaded_step()
     # whole-parameter copies are refreshed by the next graph run that reads them (refresh_stale)
 
 
@@ -651,15 +698,34 @@ register_optimizer_step_pre_hook(_pre_step)
 register_optimizer_step_post_hook(_post_step)
 
 
-class _GradToParam(torch.autograd.Function):
-    """Hands a graph the tensor it was compiled for; the graph's gradient of it becomes the DTensor parameter's."""
+def graph_inputs(args: list, params: dict) -> None:
+    """Replace each parameter's argument (`params`: argument index -> ShardedParam) by what its graph reads. The
+    DTensor parameters whose gradient the graph computes go through one autograd node per graph call, whose
+    backward makes their DTensor gradients: a node per parameter cost ~15 Python calls and two ops each, every
+    step (issue 56)."""
+    wanted = []
+    for i, zp in params.items():
+        x = zp.graph_input(args[i])
+        if x is None:
+            wanted.append(i)
+        else:
+            args[i] = x
+    if wanted:
+        zps = tuple(params[i] for i in wanted)
+        for i, t in zip(wanted, _GradsToParams.apply(zps, *[zp.dtensor for zp in zps])):
+            args[i] = t
+
+
+class _GradsToParams(torch.autograd.Function):
+    """Hands a graph the tensors it was compiled for; the graph's gradients of them become the DTensor parameters'.
+    A parameter whose tensor gets no gradient gets none (not zeros)."""
 
     @staticmethod
-    def forward(ctx, dt, zp):
-        ctx.zp = zp
-        t = zp.graph_tensor()
-        return t.view_as(t)
+    def forward(ctx, zps, *dtensors):
+        ctx.zps = zps
+        ctx.set_materialize_grads(False)
+        return tuple([zp.graph_tensor() for zp in zps])  # list comprehensions: a generator resumes per item
 
     @staticmethod
-    def backward(ctx, g):
-        return ctx.zp.grad_dtensor(g), None
+    def backward(ctx, *grads):
+        return (None, *[None if g is None else zp.grad_dtensor(g) for zp, g in zip(ctx.zps, grads)])
