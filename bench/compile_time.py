@@ -54,6 +54,7 @@ SYSTEMS = {
     "zcompile_z2": compare._zcompile(2),
     "zcompile_z3": compare._zcompile(3),  # regional_compile and keep_block_regions 'auto'
     "zcompile_z3_regional": compare._zcompile(3, regional_compile=True),  # regions at any depth
+    "zcompile_z3_nested": compare._zcompile(3, regional_compile="nested"),  # block bodies called from one graph
     "zcompile_z3_trace_every_block": compare._zcompile(3, trace_blocks_once=False),  # dynamo inlines each block
     # AOTAutograd traces and partitions each distinct block once, or every block's inlined copy
     "zcompile_z3_keep_block_regions": compare._zcompile(3, keep_block_regions=True),

@@ -2,8 +2,9 @@
 # The checks to run when a session is lent a GPU: one device call of about 9 minutes, leaving time to rerun.
 #   run(command="bash bench/gpu_check.sh", timeout_s=570)              # the two GPT-2 workloads
 #   run(command="bash bench/gpu_check.sh llama tests", timeout_s=570)  # a chosen subset, in this order
-# Parts: gpt2-124M (16 x 1024 tokens), gpt2-774M (8 x 1024), llama (Llama-style 1B, 8 x 1024), cpu-adam (the host's
-# optimizer update rate against its memory bandwidth), tests
+# Parts: gpt2-124M (16 x 1024 tokens), gpt2-774M (8 x 1024), llama (Llama-style 1B, 8 x 1024), nested (GPT-2 124M:
+# plain torch.compile, zcompile's default regions and regional_compile 'nested', which decides that default),
+# cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
 # (tests/test_gpu.py). Each workload part is bench/workload.py with plain torch.compile, FSDP2 + torch.compile,
 # zcompile stage 3 and zcompile with the optimizer on the host, one system after the other, each under its own
 # timeout, the table rewritten as each finishes; zcompile's step is profiled (torch.profiler table).
@@ -36,6 +37,8 @@ for part in $parts; do
         gpt2-774M) workload gpt2-774M 150 --model gpt2-774M --micro 8 --seq 1024 ;;
         llama) workload llama-1B 150 --model llama-1B --micro 8 --seq 1024 \
                    --systems torch_compile,fsdp2_compile,zcompile_z3 ;;
+        nested) workload gpt2-124M-nested 100 --model gpt2-124M --micro 16 --seq 1024 \
+                   --systems torch_compile,zcompile_z3,zcompile_z3_nested --tag workload-gpt2-124M-nested ;;
         cpu-adam)  # the host's update rate against its memory bandwidth (issue 57), 100M and 1B elements
             timeout 300 python bench/cpu_adam_rate.py --sizes 100M,1B --out "$OUT" > "$OUT/cpu-adam.txt" 2>&1
             since "cpu-adam" $?
@@ -45,7 +48,7 @@ for part in $parts; do
             since "test_gpu" $?
             grep -E " (PASSED|FAILED|ERROR)" "$OUT/tests.txt"
             tail -2 "$OUT/tests.txt" ;;
-        *) echo "unknown part $part (gpt2-124M, gpt2-774M, llama, cpu-adam, tests)" ;;
+        *) echo "unknown part $part (gpt2-124M, gpt2-774M, llama, nested, cpu-adam, tests)" ;;
     esac
 done
 date -u

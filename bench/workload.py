@@ -115,6 +115,7 @@ SETUP = {"torch_compile": setup_torch_compile, "fsdp2_compile": setup_fsdp2_comp
          "zcompile_z3": _zcompile(), "zcompile_z3_offload": _zcompile(offload={"optimizer": "cpu"}),
          # the defaults' alternatives (docs/configuration.md justifies each default by these rows)
          "zcompile_z3_whole_graph": _zcompile(regional_compile=False),
+         "zcompile_z3_nested": _zcompile(regional_compile="nested"),
          "zcompile_z3_bucket_1mb": _zcompile(bucket_mb=1), "zcompile_z3_bucket_100mb": _zcompile(bucket_mb=100),
          "zcompile_z3_prefetch_0": _zcompile(prefetch=0), "zcompile_z3_prefetch_2": _zcompile(prefetch=2),
          "zcompile_z3_inline_blocks": _zcompile(keep_block_regions=False),

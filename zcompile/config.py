@@ -90,8 +90,11 @@ SCHEMA: dict[str, Any] = {
                             "they outweigh 4 blocks (a real vocabulary), and run the rest (embeddings, collective "
                             "glue) eagerly, so compile time stays flat in depth; 'auto': "
                             "only where block regions repeat (at least twice as many as distinct ones), else one "
-                            "graph; false: always one inductor graph per forward/backward",
-                            choices=("auto", True, False)),
+                            "graph; false: always one inductor graph per forward/backward; 'nested': one inductor "
+                            "graph per forward/backward that calls each distinct block region's body, compiled once "
+                            "(invoke_subgraph): no glue runs eagerly and a step makes one graph call per graph, at "
+                            "more cold compile on CPU (the glue's kernels)",
+                            choices=("auto", True, False, "nested")),
     "trace_blocks_once": Key((bool,), True, "dynamo traces one item of each repeated block (a ModuleList of one "
                              "class) and stamps it out for the others (torch.compiler.nested_compile_region, then "
                              "inlined for the passes): dynamo's time stops growing with depth; torch >= 2.13 (off "

@@ -82,7 +82,8 @@ def kernels(gm: fx.GraphModule, regional: bool | str) -> Kernels:
             for a in n.all_input_nodes:
                 if region_of.get(a) is not None and region_of[a] != r:
                     read_later[a] = r
-    compiled = compiled_regions(regions, holds_block, read_later, outputs)
+    compiled = ([True] * len(regions) if regional == "nested"  # the glue too, in the graph that calls the blocks
+                else compiled_regions(regions, holds_block, read_later, outputs))
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op != "call_function" or _kind(n.target) != "loop" or n in outputs or n in read_later:

@@ -13,7 +13,8 @@ AUTO_MIN_REUSE = 2.0  # regional_compile 'auto': at least this many regions per 
 def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str,
                   regional: bool | str = False) -> Callable:
     """Compile `gm`; the result takes a list of inputs (boxed calling convention) and returns a list/tuple.
-    `regional` (inductor): True, False or "auto" (regions per block where they repeat)."""
+    `regional` (inductor): True, False, "auto" (regions per block where they repeat) or "nested" (one graph calling
+    each distinct block's body, backends/regions.nest_blocks; regions as with True where it cannot)."""
     if name == "eager":
         from zcompile.compiler.backends.eager import compile_eager
         return compile_eager(gm, example_inputs, kind)
@@ -25,6 +26,11 @@ def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str
 
         def one(sub, fakes):
             return compile_inductor(sub, fakes, kind)
+        if regional == "nested":
+            from zcompile.compiler.backends.regions import nest_blocks
+            nested = nest_blocks(gm)
+            if nested is not None:
+                return compile_inductor(nested, example_inputs, kind)
         if regional:  # by block where blocks repeat ('auto': enough); else one graph
             program = compile_regions(gm, example_inputs, one, min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0)
             if program is not None:

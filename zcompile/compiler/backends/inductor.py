@@ -11,10 +11,17 @@ from zcompile.compiler.backends import warmup
 from zcompile.compiler.liveness import input_held_until_wait
 
 
-@torch.library.custom_op("zcompile::held_until", mutates_args=("held",))
 def held_until(held: torch.Tensor, done: torch.Tensor) -> None:
     """Nothing at run time. To inductor: `held` is in use (written) until `done` (a collective's waited result) is
-    ready, so its buffer is neither freed nor reused before."""
+    ready, so its buffer is neither freed nor reused before. Defined through torch.library.Library, not custom_op:
+    inductor's code calls it once per held collective input every step, and custom_op's Python dispatch (autograd
+    and mutation checks) costs ~40 Python calls a call against 4 (23 us against 1.7 us on the benchmark VM)."""
+
+
+_LIB = torch.library.Library("zcompile", "FRAGMENT")
+_LIB.define("held_until(Tensor(a!) held, Tensor done) -> ()")
+_LIB.impl("held_until", held_until, "CompositeExplicitAutograd")
+_LIB.impl("held_until", held_until, "Meta")
 
 
 def compile_inductor(gm: fx.GraphModule, example_inputs: list, kind: str):

@@ -446,3 +446,69 @@ def _run_eagerly(sub: fx.GraphModule) -> Callable:
     def run(args: list):
         return sub(*args)
     return run
+
+
+def nest_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """`gm` as one graph for inductor in which each block region (block_regions) is a call of its body
+    (invoke_subgraph), one body per distinct region (the same code and input layouts, as compile_regions keys
+    them): inductor lowers each body once and calls it from one compiled graph, so a step makes one graph call per
+    forward and backward and runs no glue eagerly. None where there are no block regions, or where a block region
+    takes a size (a dynamic dim's SymInt: inductor's subgraph calls take tensors only)."""
+    import operator
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    regions, holds_block = block_regions(gm.graph)
+    if not any(holds_block):
+        return None
+    const = constants(gm.graph)
+    (graph_outs,) = gm.graph.output_node().args
+    size_of = {n.meta["val"].node.expr: n for n in phs if isinstance(n.meta.get("val"), torch.SymInt)}
+    region_inputs = [_inputs(nodes, const, size_of) for nodes in regions]
+    if any(not isinstance(x.meta.get("val"), torch.Tensor)
+           for inputs, block in zip(region_inputs, holds_block) if block for x in inputs):
+        return None
+    read_later = {a for inputs in region_inputs for a in inputs}
+    kept = {o for o in graph_outs if isinstance(o, fx.Node)}
+    wanted = [[n for n in nodes if n in read_later or n in kept] for nodes in regions]
+    returned = _union_outputs(gm, regions, region_inputs, wanted, holds_block, const)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in phs:
+        env[p] = g.node_copy(p, env.__getitem__)
+    bodies: dict[tuple, fx.Node] = {}  # region key -> the get_attr of its body (one per body: inductor lowers a
+    calls = []                          # body once per get_attr node)
+    for nodes, inputs, outputs, block in zip(regions, region_inputs, returned, holds_block):
+        body = None
+        if block:
+            key = (_region_key(gm, nodes, inputs, outputs, const), tuple(_layout(x.meta["val"]) for x in inputs))
+            if key not in bodies:
+                name = f"zc_block_{len(bodies)}"
+                setattr(gm, name, _region_module(gm, nodes, inputs, outputs, const))
+                bodies[key] = g.get_attr(name)
+            body = bodies[key]
+        calls.append((nodes, inputs, outputs, body))
+
+    def need(a: fx.Node) -> fx.Node:
+        """`a`'s node in the new graph; a constant (or get_attr) no region before computed is computed here."""
+        if a not in env:
+            if a.op != "get_attr" and a not in const:
+                raise KeyError(f"the nested graph reads {a.name} before it is computed")
+            for x in a.all_input_nodes:
+                need(x)
+            env[a] = g.node_copy(a, env.__getitem__)
+        return env[a]
+
+    for nodes, inputs, outputs, body in calls:
+        if body is None:  # the work outside the blocks: embeddings, head and loss, the collectives' glue
+            for n in nodes:
+                for x in n.all_input_nodes:
+                    need(x)
+                env[n] = g.node_copy(n, env.__getitem__)
+            continue
+        call = g.call_function(torch.ops.higher_order.invoke_subgraph, (body, body.target, *map(need, inputs)))
+        call.meta["val"] = tuple(o.meta["val"] for o in outputs)
+        for k, o in enumerate(outputs):
+            if o in read_later or o in kept:  # not what only another call of this body hands on
+                env[o] = g.call_function(operator.getitem, (call, k))
+                env[o].meta["val"] = o.meta["val"]
+    g.output(tuple(need(o) if isinstance(o, fx.Node) else o for o in graph_outs))
+    return fx.GraphModule(gm, g)
