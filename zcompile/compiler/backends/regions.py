@@ -16,10 +16,15 @@ at any depth (two backward where the blocks were inlined before AOTAutograd: its
 norm differently).
 
 The regions run in order from a flat list of slots; a value is dropped after its last use, as in one graph.
+
+`nest_blocks` (regional_compile 'nested') makes the same cut into one graph for inductor that calls each distinct
+block region's body (invoke_subgraph): each body is compiled once, the rest is compiled with the graph, and nothing
+runs eagerly.
 """
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Callable
 
 import torch
@@ -454,7 +459,6 @@ def nest_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
     them): inductor lowers each body once and calls it from one compiled graph, so a step makes one graph call per
     forward and backward and runs no glue eagerly. None where there are no block regions, or where a block region
     takes a size (a dynamic dim's SymInt: inductor's subgraph calls take tensors only)."""
-    import operator
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     regions, holds_block = block_regions(gm.graph)
     if not any(holds_block):
