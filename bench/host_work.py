@@ -6,7 +6,8 @@ as a column that doubles).
 
 Per system (bench/workload.py's setups, world 1, gloo) and depth, one training step after --warmup steps
 (forward, backward, clip_grad_norm_(1.0), AdamW in nanoGPT's groups, zero_grad), counted on the host:
-  python calls      sys.setprofile "call" and "c_call" events (Python functions and builtins entered)
+  python calls      sys.setprofile "call" and "c_call" events (Python functions and builtins entered); the JSON
+                    also has them per phase (forward, backward, clip, step, zero_grad)
   eager ops         ATen / prims / c10d ops the profiler sees at the top of the dispatcher stack (not inside another
                     op) and outside every compiled graph call: what the host dispatches one by one
   graph calls       inductor graph calls ("## Call CompiledFxGraph" events) and, for zcompile's eager backend or
@@ -59,18 +60,27 @@ def counts(events) -> dict:
     return {"eager_ops": eager, "graph_calls": graphs, "autograd_nodes": autograd, "accumulate_grad": accumulate}
 
 
-def python_calls(fn) -> int:
-    seen = [0]
+PHASES = ("forward", "backward", "clip", "step", "zero_grad")
+
+
+def python_calls(step) -> dict:
+    """sys.setprofile call + c_call events of one `step(mark)`, per phase: `step` calls mark(name) as it enters
+    each of PHASES."""
+    seen = dict.fromkeys(PHASES, 0)
+    phase = [PHASES[0]]
 
     def tracer(frame, event, arg):
         if event in ("call", "c_call"):
-            seen[0] += 1
+            seen[phase[0]] += 1
+
+    def mark(name):
+        phase[0] = name
     sys.setprofile(tracer)
     try:
-        fn()
+        step(mark)
     finally:
         sys.setprofile(None)
-    return seen[0]
+    return seen
 
 
 def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
@@ -82,14 +92,19 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
                                           n_head=args.heads, n_embd=args.width))
     run, opt, autocast = workload.SETUP[system](model, world, device, bf16)
 
-    def step(i):
+    def step(i, mark=lambda name: None):
         g = torch.Generator().manual_seed(i)
         xy = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=g)
+        mark("forward")
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             loss = run(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())[1]
+        mark("backward")
         loss.backward()
+        mark("clip")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        mark("step")
         opt.step()
+        mark("zero_grad")
         opt.zero_grad(set_to_none=True)
         return loss
 
@@ -100,10 +115,11 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
         t0 = time.perf_counter()
         step(100 + i)
         times.append(time.perf_counter() - t0)
-    calls = python_calls(lambda: step(200))
+    calls = python_calls(lambda mark: step(200, mark))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(300)
-    return {"system": system, "layers": layers, "python_calls": calls, **counts(prof.events()),
+    return {"system": system, "layers": layers, "python_calls": sum(calls.values()), "python_calls_by_phase": calls,
+            **counts(prof.events()),
             "step_ms": statistics.median(times) * 1e3, "params": sum(p.numel() for p in model.parameters()),
             "tensors": len(list(model.parameters()))}
 

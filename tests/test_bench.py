@@ -139,6 +139,8 @@ def test_host_work_per_parameter_stays_small(tmp_path):
         assert big["tensors"] > small["tensors"] and big["graph_calls"] > 0
         for r in (small, big):
             assert r["accumulate_grad"] == r["tensors"], r  # every parameter got its gradient through autograd
+            assert sum(r["python_calls_by_phase"].values()) == r["python_calls"]
+            assert all(r["python_calls_by_phase"][p] > 0 for p in ("forward", "backward", "clip", "step")), r
         assert big["autograd_nodes"] - big["accumulate_grad"] == small["autograd_nodes"] - small["accumulate_grad"]
         added = big["tensors"] - small["tensors"]
         assert (big["eager_ops"] - small["eager_ops"]) / added <= 10, (small, big)
