@@ -7,7 +7,8 @@
 # cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
 # (tests/test_gpu.py). Each workload part is bench/workload.py with plain torch.compile, FSDP2 + torch.compile,
 # zcompile stage 3 and zcompile with the optimizer on the host, one system after the other, each under its own
-# timeout, the table rewritten as each finishes; zcompile's step is profiled (torch.profiler table).
+# timeout, the table rewritten as each finishes; each system's steps are profiled (torch.profiler table, and the
+# GPU-busy time per step against the step: the kernels' union, a column of the table).
 # Writes under $OUT (the device tool's folder; /tmp/gpu_check elsewhere): workload-*.md/json and <part>.txt.
 # Don't `pkill -f python` here: it matches this script's own shell.
 set -u

@@ -166,19 +166,41 @@ def worker(rank: int, world: int, system: str, args) -> dict:
     else:
         steps = iter(range(10**6, 10**6 + 3))
         peak = zcompile.step_tensor_peak(lambda: step(next(steps)), repeats=3)["peak"]
-    profile = None
+    profile, busy = None, None
     if args.profile:  # every rank steps (collectives), rank 0 reports
         from torch.profiler import ProfilerActivity, profile as prof
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with prof(activities=acts) as p:
-            for i in range(2):
+            for i in range(PROFILED_STEPS):
                 step(2 * 10**6 + i)
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         profile = p.key_averages().table(sort_by=sort, row_limit=args.profile) if rank == 0 else None
+        if device.type == "cuda":
+            kernels = [(e.time_range.start, e.time_range.end) for e in p.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = busy_seconds(kernels, 1e-6) / PROFILED_STEPS
     median = statistics.median(times)
     return {"system": system, "median_step_s": median, "first_step_s": first, "peak_bytes": peak,
             "final_loss": losses[-1], "losses": losses, "num_params": num_params,
-            "tokens_per_s": world * args.micro * args.seq / median, "profile": profile}
+            "tokens_per_s": world * args.micro * args.seq / median, "profile": profile, "gpu_busy_s": busy}
+
+
+PROFILED_STEPS = 2
+
+
+def busy_seconds(intervals: list[tuple[float, float]], unit: float = 1.0) -> float:
+    """How long at least one of `intervals` (start, end) runs: the length of their union, times `unit` (the
+    profiler's times are microseconds). A GPU step's busy time against its wall time tells whether the device or
+    the host sets the pace (issue 56)."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total * unit
 
 
 def run_system(system: str, args) -> dict:
@@ -218,9 +240,11 @@ def markdown(rows: list[dict], args) -> str:
     base = next((r for r in rows if r["system"] == "torch_compile" and "error" not in r), None)
     gib = args.device == "cuda"
     peak_name = "peak GPU (GiB)" if gib else "tensor peak / rank (MiB)"
+    busy = any(r.get("gpu_busy_s") is not None for r in rows)  # profiled on a GPU (--profile)
     out = [header(args, rows), "",
-           f"| system | step (ms) | vs torch.compile | tokens/s | {peak_name} | first step (s) | final loss |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+           f"| system | step (ms) | vs torch.compile | tokens/s | {peak_name} | first step (s) | final loss |"
+           + (" GPU busy / step (ms) |" if busy else ""),
+           "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if busy else "")]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['system']} | failed after {r['wall_s']:.0f} s: {r['error'][:160]} |")
@@ -228,7 +252,9 @@ def markdown(rows: list[dict], args) -> str:
         ratio = f"{r['median_step_s'] / base['median_step_s']:.2f}x" if base else "n/a"
         peak = r["peak_bytes_max"] / 2**(30 if gib else 20)
         out.append(f"| {r['system']} | {r['median_step_s'] * 1e3:.1f} | {ratio} | {r['tokens_per_s']:,.0f} | "
-                   f"{peak:.2f} | {r['first_step_s']:.1f} | {r['final_loss']:.4f} |")
+                   f"{peak:.2f} | {r['first_step_s']:.1f} | {r['final_loss']:.4f} |"
+                   + (f" {r['gpu_busy_s'] * 1e3:.1f} |" if r.get("gpu_busy_s") is not None
+                      else " n/a |" if busy else ""))
     return "\n".join(out) + "\n"
 
 
@@ -265,6 +291,10 @@ def main(argv=None) -> list[dict]:
         print(f"{system}: " + (f"failed: {r['error']}" if "error" in r else
                                f"{r['median_step_s'] * 1e3:.1f} ms, first {r['first_step_s']:.1f} s, "
                                f"peak {r['peak_bytes_max'] / 2**30:.2f} GiB") + f" ({r['wall_s']:.0f} s)", flush=True)
+        if r.get("gpu_busy_s") is not None:
+            print(f"{system}: GPU busy {r['gpu_busy_s'] * 1e3:.1f} ms of a {r['median_step_s'] * 1e3:.1f} ms step "
+                  f"({r['gpu_busy_s'] / r['median_step_s']:.0%}; kernels' union over {PROFILED_STEPS} profiled steps)",
+                  flush=True)
         if r.get("profile"):
             print(r["profile"], flush=True)
         md = markdown(rows, args)

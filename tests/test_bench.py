@@ -148,3 +148,20 @@ def test_host_work_per_parameter_stays_small(tmp_path):
     assert by["zcompile_z3_nested", 4]["graph_calls"] == by["zcompile_z3_nested", 6]["graph_calls"] == 2
     nested = by["zcompile_z3_nested", 6]["eager_ops"] - by["zcompile_z3_nested", 4]["eager_ops"]
     assert nested < by["zcompile_z3", 6]["eager_ops"] - by["zcompile_z3", 4]["eager_ops"]
+
+
+def test_gpu_busy_time_is_the_union_of_kernel_intervals():
+    """bench/workload.py's GPU-busy time per step (issue 56: device time against step time): overlapping kernels
+    (two streams) count once, gaps not at all."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import workload
+    assert workload.busy_seconds([]) == 0
+    assert workload.busy_seconds([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert workload.busy_seconds([(20, 25), (0, 10)], 1e-6) == pytest.approx(15e-6)
+    rows = [{"system": "torch_compile", "median_step_s": 0.1, "tokens_per_s": 1.0, "peak_bytes_max": 2**30,
+             "first_step_s": 1.0, "final_loss": 1.0, "gpu_busy_s": 0.035},
+            {"system": "zcompile_z3", "median_step_s": 0.2, "tokens_per_s": 1.0, "peak_bytes_max": 2**30,
+             "first_step_s": 1.0, "final_loss": 1.0, "gpu_busy_s": None}]
+    args = type("A", (), {"device": "cuda", "world": 1, "model": "gpt2-124M", "micro": 1, "seq": 8, "dtype": "bf16"})
+    md = workload.markdown(rows, args)
+    assert "GPU busy / step (ms) |" in md and "| 35.0 |" in md and "| n/a |" in md
