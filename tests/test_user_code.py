@@ -252,3 +252,15 @@ def test_in_place_writes_between_forwards_reach_the_next_forward(stage):
     for out in run_world(2, user_workers.writes_between_forwards, stage):
         for how, (got, want) in out.items():
             assert got == pytest.approx(want, rel=1e-6), (how, got, want)
+
+
+def test_parameter_hooks_and_autograd_grad_see_dtensor_gradients():
+    """The graphs hand their parameters' gradients to autograd (one node per graph call, then each parameter's
+    AccumulateGrad): a tensor hook on a parameter fires in backward and in torch.autograd.grad, a
+    post-accumulate-grad hook in backward, and autograd.grad over the parameters returns the DTensor gradients that
+    backward accumulates into p.grad."""
+    for out in run_world(2, user_workers.parameter_hooks_and_autograd_grad):
+        assert out["hooked"] == ["DTensor", "DTensor"], out
+        assert out["accumulated"] == ["DTensor"], out
+        assert out["types"] == ["DTensor"] * 4, out
+        assert out["diff"] == 0.0, out

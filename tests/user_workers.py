@@ -646,3 +646,24 @@ def alternating_freeze(rank: int | None, world: int, stage: int | None, steps: i
         opt.zero_grad()
         compiles.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     return {"params": {n: _full(p) for n, p in model.named_parameters()}, "compiles": compiles}
+
+
+def parameter_hooks_and_autograd_grad(rank: int, world: int) -> dict:
+    """A DTensor parameter's tensor hook and post-accumulate-grad hook see DTensor gradients, and
+    torch.autograd.grad with respect to the parameters gives the gradients backward accumulates."""
+    import torch.nn as nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    run = torch.compile(model, backend="zero", options={"config": {"stage": 3, "backend": "eager"}})
+    x = torch.randn(4, 8)
+    run(x).sum().backward()  # the first forward shards the parameters
+    model.zero_grad()
+    p = model[0].weight
+    hooked, accumulated = [], []
+    p.register_hook(lambda g: hooked.append(type(g).__name__))
+    p.register_post_accumulate_grad_hook(lambda t: accumulated.append(type(t.grad).__name__))
+    run(x).sum().backward()
+    after_backward = [q.grad.full_tensor().clone() for q in model.parameters()]
+    grads = torch.autograd.grad(run(x).sum(), list(model.parameters()))
+    return {"hooked": hooked, "accumulated": accumulated, "types": [type(g).__name__ for g in grads],
+            "diff": max(float((g.full_tensor() - b).abs().max()) for g, b in zip(grads, after_backward))}

@@ -711,7 +711,7 @@ def graph_inputs(args: list, params: dict) -> None:
         else:
             args[i] = x
     if wanted:
-        zps = tuple(params[i] for i in wanted)
+        zps = tuple(map(params.__getitem__, wanted))
         for i, t in zip(wanted, _GradsToParams.apply(zps, *[zp.dtensor for zp in zps])):
             args[i] = t
 
