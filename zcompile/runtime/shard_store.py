@@ -316,9 +316,7 @@ class ShardedParam:
         whose autograd function and argument handling cost about as much as a small kernel launch per parameter
         and step (measured on an H200, 2026-11-26: 60-100 us of CPU per parameter)."""
         if torch.compiler.is_compiling():  # compiled autograd traces this: the traceable constructor
-            flat = g.reshape(-1)
-            rows = self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
-            return self.as_dtensor(rows, self.dtensor.device_mesh)
+            return self.as_dtensor(self._grad_rows_reshaped(g), self.dtensor.device_mesh)
         rows = self._grad_rows(g)
         from torch.distributed.tensor import DTensor
         mesh, spec = self.dtensor.device_mesh, self._grad_spec
@@ -334,8 +332,7 @@ class ShardedParam:
     def _grad_rows(self, g: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a graph's gradient of graph_tensor(): one view op (as_rows costs three)."""
         if not g.is_contiguous():
-            flat = g.reshape(-1)
-            return self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
+            return self._grad_rows_reshaped(g)
         if self._rows_layout is None:
             from torch._prims_common import make_contiguous_strides_for
             shape = ((self.hi - self.lo) // self.row_numel, *self.shape[1:])
@@ -343,6 +340,11 @@ class ShardedParam:
         shape, stride = self._rows_layout
         skip = self.lo if self.stage == Stage.OPTIMIZER else 0
         return g.as_strided(shape, stride, g.storage_offset() + skip)
+
+    def _grad_rows_reshaped(self, g: torch.Tensor) -> torch.Tensor:
+        """_grad_rows for any layout (and traceable): flattened, this rank's part, viewed as rows."""
+        flat = g.reshape(-1)
+        return self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
 
     def versions(self) -> tuple:
         """Write counters of this rank's part: the full buffer's, the DTensor's (an in-place op on a DTensor bumps
