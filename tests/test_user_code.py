@@ -257,10 +257,20 @@ def test_in_place_writes_between_forwards_reach_the_next_forward(stage):
 def test_parameter_hooks_and_autograd_grad_see_dtensor_gradients():
     """The graphs hand their parameters' gradients to autograd (one node per graph call, then each parameter's
     AccumulateGrad): a tensor hook on a parameter fires in backward and in torch.autograd.grad, a
-    post-accumulate-grad hook in backward, and autograd.grad over the parameters returns the DTensor gradients that
+    post-accumulate-grad hook and a multi-grad hook in backward, and autograd.grad over the parameters returns the DTensor gradients that
     backward accumulates into p.grad."""
     for out in run_world(2, user_workers.parameter_hooks_and_autograd_grad):
         assert out["hooked"] == ["DTensor", "DTensor"], out
         assert out["accumulated"] == ["DTensor"], out
+        assert out["multi"] == ["DTensor"] * 2, out
         assert out["types"] == ["DTensor"] * 4, out
         assert out["diff"] == 0.0, out
+
+
+def test_a_second_backward_adds_and_backward_inputs_fill_only_those():
+    """Issue 56: zcompile puts the gradients where AccumulateGrad would, without a DTensor dispatch per parameter;
+    accumulation, backward(inputs=...) and create_graph behave as torch's do."""
+    for out in run_world(2, user_workers.gradients_where_backward_puts_them):
+        assert out["twice"] == 0.0 and out["last"] == 0.0 and out["create_graph"] == 0.0, out
+        assert out["only"] == [False, False, True, False], out
+        assert out["types"] == ["DTensor"], out

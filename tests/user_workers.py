@@ -662,8 +662,38 @@ def parameter_hooks_and_autograd_grad(rank: int, world: int) -> dict:
     hooked, accumulated = [], []
     p.register_hook(lambda g: hooked.append(type(g).__name__))
     p.register_post_accumulate_grad_hook(lambda t: accumulated.append(type(t.grad).__name__))
+    multi = []
+    handle = torch.autograd.graph.register_multi_grad_hook(
+        list(model[2].parameters()), lambda gs: multi.extend(type(g).__name__ for g in gs))
     run(x).sum().backward()
+    handle.remove()  # torch's multi-grad hook on leaves raises under autograd.grad (eager PyTorch too)
     after_backward = [q.grad.full_tensor().clone() for q in model.parameters()]
     grads = torch.autograd.grad(run(x).sum(), list(model.parameters()))
-    return {"hooked": hooked, "accumulated": accumulated, "types": [type(g).__name__ for g in grads],
+    return {"hooked": hooked, "accumulated": accumulated, "multi": multi, "types": [type(g).__name__ for g in grads],
             "diff": max(float((g.full_tensor() - b).abs().max()) for g, b in zip(grads, after_backward))}
+
+
+def gradients_where_backward_puts_them(rank: int, world: int) -> dict:
+    """zcompile accumulates its DTensor parameters' gradients itself where the engine's AccumulateGrad would (no
+    hooks, no create_graph): a second backward adds to p.grad, backward(inputs=...) fills only those, and
+    create_graph leaves it to the engine; each against the same model's single backward."""
+    import torch.nn as nn
+    torch._functorch.config.donated_buffer = False  # create_graph=True needs the backward's buffers kept
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    run = torch.compile(model, backend="zero", options={"config": {"stage": 3, "backend": "eager"}})
+    x = torch.randn(4, 8)
+    run(x).sum().backward()  # the first forward shards the parameters
+    once = [q.grad.full_tensor().clone() for q in model.parameters()]
+    run(x).sum().backward()
+    twice = max(float((q.grad.full_tensor() - 2 * g).abs().max()) for q, g in zip(model.parameters(), once))
+    model.zero_grad()
+    last = model[2].weight
+    run(x).sum().backward(inputs=[last])
+    only = [q.grad is not None for q in model.parameters()]
+    last_diff = float((last.grad.full_tensor() - once[2]).abs().max())
+    model.zero_grad()
+    run(x).sum().backward(create_graph=True)
+    graph = max(float((q.grad.full_tensor() - g).abs().max()) for q, g in zip(model.parameters(), once))
+    return {"twice": twice, "only": only, "last": last_diff, "create_graph": graph,
+            "types": sorted({type(q.grad).__name__ for q in model.parameters()})}

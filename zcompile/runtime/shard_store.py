@@ -35,6 +35,7 @@ import weakref
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from zcompile.runtime import collective_traffic, nonfinite, offload_engine
@@ -310,24 +311,42 @@ class ShardedParam:
             self._slice = torch.from_dlpack(self.local_slice().detach())
         return self.as_rows(self._slice)
 
-    def grad_dtensor(self, g: torch.Tensor) -> torch.Tensor:
+    def grad_dtensor(self, g: torch.Tensor, traced: bool = False) -> torch.Tensor:
         """The DTensor gradient of the parameter from a graph's gradient of graph_tensor(). Made as FSDP2 makes its
         gradients (_from_local_no_grad): the DTensor constructor over a spec made once, not DTensor.from_local,
         whose autograd function and argument handling cost about as much as a small kernel launch per parameter
-        and step (measured on an H200, 2026-11-26: 60-100 us of CPU per parameter)."""
-        if torch.compiler.is_compiling():  # compiled autograd traces this: the traceable constructor
+        and step (measured on an H200, 2026-11-26: 60-100 us of CPU per parameter). `traced`: compiled autograd is
+        tracing this, which takes the traceable constructor."""
+        if traced:
             return self.as_dtensor(self._grad_rows_reshaped(g), self.dtensor.device_mesh)
         rows = self._grad_rows(g)
-        from torch.distributed.tensor import DTensor
-        mesh, spec = self.dtensor.device_mesh, self._grad_spec
-        if spec is None or spec.mesh is not mesh or spec.tensor_meta.dtype != rows.dtype:
+        spec = self._grad_spec
+        if spec is None or spec.mesh is not self.dtensor._spec.mesh or spec.tensor_meta.dtype != rows.dtype:
             from torch._prims_common import make_contiguous_strides_for
             from torch.distributed.tensor import Shard
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
             meta = TensorMeta(torch.Size(self.shape), make_contiguous_strides_for(self.shape), rows.dtype)
-            spec = self._grad_spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+            spec = self._grad_spec = DTensorSpec(self.dtensor._spec.mesh, (Shard(0),), tensor_meta=meta)
         # __new__ alone: DTensor.__init__ does nothing but costs a dynamo-disabling wrapper (~10 Python calls)
         return DTensor.__new__(DTensor, rows, spec, requires_grad=False)
+
+    def accumulate(self, grad: torch.Tensor, node) -> bool:
+        """Do what the engine's AccumulateGrad `node` of the DTensor parameter would do with `grad`, when it runs in
+        this backward and no hook on the parameter could see the difference; False: leave it to the engine. The
+        engine's way costs a DTensor dispatch per parameter and step (a detach, or an add_ when accumulating: ~30
+        Python calls and an eager op each, issue 56). Hooks put on the node itself (`grad_fn.next_functions`) are
+        not seen: docs/limitations.md."""
+        p = self.dtensor
+        if p._backward_hooks or p._post_accumulate_grad_hooks or not torch._C._will_engine_execute_node(node):
+            return False
+        held = p.grad
+        if held is None:
+            p.grad = grad  # AccumulateGrad would keep grad.detach(): the same storage, nothing else refers to grad
+        elif type(held) is type(grad) and held._spec == grad._spec:
+            held._local_tensor.add_(grad._local_tensor)  # AccumulateGrad's in-place `p.grad += grad`, locally
+        else:
+            return False
+        return True
 
     def _grad_rows(self, g: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a graph's gradient of graph_tensor(): one view op (as_rows costs three)."""
@@ -730,4 +749,16 @@ class _GradsToParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *[None if g is None else zp.grad_dtensor(g) for zp, g in zip(ctx.zps, grads)])
+        # create_graph (grad mode on) and compiled autograd keep the engine's AccumulateGrad
+        traced = torch.compiler.is_compiling()
+        edges = None if traced or torch.is_grad_enabled() else ctx.next_functions
+        if edges:
+            try:  # a leaf's node under torch.autograd.grad: the engine does not say, and runs no AccumulateGrad
+                torch._C._will_engine_execute_node(edges[0][0])
+            except RuntimeError:
+                edges = None
+        out = [None]
+        for k, (zp, g) in enumerate(zip(ctx.zps, grads)):
+            grad = None if g is None else zp.grad_dtensor(g, traced)
+            out.append(None if grad is not None and edges is not None and zp.accumulate(grad, edges[k][0]) else grad)
+        return tuple(out)
