@@ -697,3 +697,69 @@ def gradients_where_backward_puts_them(rank: int, world: int) -> dict:
     graph = max(float((q.grad.full_tensor() - g).abs().max()) for q, g in zip(model.parameters(), once))
     return {"twice": twice, "only": only, "last": last_diff, "create_graph": graph,
             "types": sorted({type(q.grad).__name__ for q in model.parameters()})}
+
+
+ADAM_SETTINGS = {
+    "adamw foreach, two groups": (torch.optim.AdamW, dict(foreach=True), True),
+    "adamw fused": (torch.optim.AdamW, dict(fused=True), False),
+    "adam amsgrad maximize, per tensor": (torch.optim.Adam, dict(foreach=False, amsgrad=True, maximize=True,
+                                                               weight_decay=0.05), False),
+    "adamw default": (torch.optim.AdamW, {}, False),
+}
+
+
+def adam_on_local_tensors(rank: int, world: int, config: dict) -> dict:
+    """The same 4 steps with Adam/AdamW in several settings, with zcompile's step over the DTensors' local tensors
+    (local_step) and without it: parameters and moments must be bit-identical. Also how many steps it took, and
+    that an optimizer with a hook of its own or a closure is stepped by torch (and still trains alike)."""
+    from zcompile.runtime import local_step
+    taken = []
+    real = local_step.step_locally
+
+    def counting(optimizer, last_hook):
+        hidden = real(optimizer, last_hook)
+        taken.append(hidden is not None)
+        return hidden
+
+    def run(cls, kwargs, groups, enabled, variant=None):
+        local_step.step_locally = counting if enabled else (lambda *a: None)
+        try:
+            workers.reset_dynamo()
+            model = torch.compile(build_model("gpt"), backend="zero", options={"config": config})
+            loss_of(model, "gpt", _x(rank, world, 0))  # shards the parameters: the optimizer sees the DTensors
+            ps = list(model.parameters())
+            opt = cls([{"params": ps[::2]}, {"params": ps[1::2], "weight_decay": 0.0}] if groups else ps,
+                      lr=1e-2, **kwargs)
+            if variant == "hook":
+                opt.register_step_pre_hook(lambda *a: None)
+            for i in range(4):
+                def closure(i=i):
+                    opt.zero_grad()
+                    loss = loss_of(model, "gpt", _x(rank, world, i))
+                    loss.backward()
+                    return loss
+                if variant == "closure":
+                    opt.step(closure)
+                else:
+                    closure()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                    opt.step()
+            full = [p for p in ps] + [v for st in opt.state.values() for v in st.values() if v.dim()]
+            return [t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone() for t in full]
+        finally:
+            local_step.step_locally = real
+
+    out = {}
+    for name, (cls, kwargs, groups) in ADAM_SETTINGS.items():
+        taken.clear()
+        mine, ref = run(cls, kwargs, groups, True), run(cls, kwargs, groups, False)
+        out[name] = {"taken": list(taken), "same": len(mine) == len(ref) and all(map(torch.equal, mine, ref))}
+    for variant in ("hook", "closure"):
+        taken.clear()
+        mine, ref = run(torch.optim.AdamW, {}, False, True, variant), run(torch.optim.AdamW, {}, False, False, variant)
+        out[variant] = {"taken": list(taken), "same": all(map(torch.equal, mine, ref))}
+    return out
+
+
+def _x(rank: int, world: int, i: int):
+    return rank_slice(global_batch(i, world), rank, world)

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from zcompile.runtime import collective_traffic, nonfinite, offload_engine
+from zcompile.runtime import collective_traffic, local_step, nonfinite, offload_engine
 from zcompile.runtime.dist_context import DistContext, all_gather_flat
 from zcompile.errors import ZeroError
 from zcompile.config import Stage, Tier
@@ -701,9 +701,12 @@ def _pre_step(optimizer, args, kwargs) -> None:
         zp.enter_step()
     for zp in stepped.offloaded:
         zp.before_offloaded_step()
+    if not kwargs and all(a is optimizer for a in args):  # torch passes (self,); a closure makes gradients in step
+        optimizer._zc_hidden = local_step.step_locally(optimizer, _pre_step)
 
 
 def _post_step(optimizer, args, kwargs) -> None:
+    local_step.give_back(optimizer.__dict__.pop("_zc_hidden", None))
     stepped = _Stepped.of(optimizer)
     for zp in stepped.zps:
         zp.compiled_calls = 0
