@@ -124,9 +124,10 @@ def test_workload_bench_runs_the_systems_side_by_side(tmp_path):
 def test_host_work_per_parameter_stays_small(tmp_path):
     """Issue 56 (host-bound step): bench/host_work.py's counts at 4 and 6 layers (bf16, inductor, block regions at
     both depths). The parameters' graph inputs hand their gradients over in one autograd node per graph call, not
-    one per parameter, which puts them into p.grad itself (no DTensor detach per parameter); each added parameter
-    costs at most 8 eager ops and 170 Python calls a step (2026-11-29: 7.6 and 153; torch.compile's own: 4 and
-    64, from its optimizer and clip; through AccumulateGrad's DTensor detach 8.6 and 197, with a node per
+    one per parameter, which puts them into p.grad itself (no DTensor detach per parameter), and AdamW steps the
+    local tensors (no DTensor dispatch per parameter); each added parameter costs at most 8 eager ops and 130
+    Python calls a step (2026-11-29: 7.6 and 115; torch.compile's own: 4 and 64, from its optimizer and clip;
+    with AdamW over the DTensors 153, through AccumulateGrad's DTensor detach 8.6 and 197, with a node per
     parameter 14 and 233). regional_compile 'nested' makes one graph call per forward and backward at any depth
     and runs no glue eagerly (fewer eager ops per parameter)."""
     cmd = [sys.executable, "bench/host_work.py", "--layers", "4,6", "--systems", "zcompile_z3,zcompile_z3_nested",
@@ -145,7 +146,7 @@ def test_host_work_per_parameter_stays_small(tmp_path):
         assert big["autograd_nodes"] - big["accumulate_grad"] == small["autograd_nodes"] - small["accumulate_grad"]
         added = big["tensors"] - small["tensors"]
         assert (big["eager_ops"] - small["eager_ops"]) / added <= 8, (small, big)
-        assert (big["python_calls"] - small["python_calls"]) / added <= 170, (small, big)
+        assert (big["python_calls"] - small["python_calls"]) / added <= 130, (small, big)
     assert by["zcompile_z3_nested", 4]["graph_calls"] == by["zcompile_z3_nested", 6]["graph_calls"] == 2
     nested = by["zcompile_z3_nested", 6]["eager_ops"] - by["zcompile_z3_nested", 4]["eager_ops"]
     assert nested < by["zcompile_z3", 6]["eager_ops"] - by["zcompile_z3", 4]["eager_ops"]
