@@ -75,6 +75,37 @@ def test_nvme_optimizer_needs_cpu_adam(tmp_path):
         run_world(2, workers.parity_with_config, "gpt", config, 1)
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_delayed_update_runs_beside_the_next_step_and_equals_a_one_step_stale_reference(backend):
+    """Issue 57: offload.delayed_update (ZeRO-Offload's DPU). Step k's host update is submitted in step k's
+    optimizer.step() and waited for only at step k+1's, after step k+1's forward started (CPUAdam's timeline); losses
+    and parameters are exactly those of a reference that applies step k's gradients at step k+1, and the model holds
+    the last update only once land_delayed_update has put it in place."""
+    for out in run_world(2, workers.delayed_update, {"stage": 3, "backend": backend}):
+        assert out["losses"] == out["ref_losses"], out
+        assert out["same"] and out["stale_until_landed"], out
+        at = {(event, step): t for event, step, t in out["timeline"]}
+        steps = len(out["forwards"])
+        for k in range(1, steps):
+            assert at["update submitted", k] < out["forwards"][k] < at["update waited", k], (k, out["timeline"])
+            assert at["update submitted", k] <= at["update started", k] <= at["update done", k]
+        assert ("update waited", steps) in at  # landed at the end
+
+
+@pytest.mark.parametrize("offload", [{"optimizer": "none"}, {"optimizer": "cpu"},
+                                     {"optimizer": "cpu", "delayed_update": True}])
+def test_zero_grad_without_a_step_drops_the_gradients(offload):
+    """An optimizer that steps host masters clears the parameters' gradients too at zero_grad (they stay on the
+    DTensors until a step moves them to the masters)."""
+    for out in run_world(2, workers.zero_grad_without_a_step, offload):
+        assert out["same"], out
+
+
+def test_delayed_update_needs_cpu_adam():
+    with pytest.raises(WorkerFailed, match="only zcompile.CPUAdam runs its update beside the next step"):
+        run_world(2, workers.delayed_update_with_torch_adamw)
+
+
 def test_corrupt_nvme_file_is_a_clear_error(tmp_path):
     out = run_world(1, workers.corrupt_nvme_then_step, str(tmp_path))[0]
     assert out.startswith("OffloadFileError") and "checksum mismatch" in out and "param" in out, out
@@ -207,6 +238,8 @@ def test_nvme_files_are_atomic_and_checked(tmp_path, monkeypatch):
     ({"tiling": {"size": 1}}, "unknown key 'tiling.size'"),
     ({"over_budget": "ignore"}, "'over_budget' must be one of 'error' or 'warn'"),
     ({"offload": {"optimizer": "auto", "params": "cpu"}}, "'offload.optimizer' is 'auto'"),
+    ({"offload": {"delayed_update": True}}, "'offload.delayed_update' needs offload.optimizer cpu"),
+    ({"offload": {"optimizer": "cpu", "params": "cpu", "delayed_update": True}}, "and offload.params none"),
     ({"offload": {"optimizer": "cpu", "params": "cpu"}, "pipeline": ["tag_param_recompute", "shard_params",
       "reduce_grads"]}, "lacks the offload_params pass"),
 ])

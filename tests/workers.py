@@ -699,3 +699,83 @@ def activation_budget_run(rank: int, world: int, budget: int | None, steps: int 
     backward_s = sum(timeline.op_seconds(n, cost) for n in bw.graph.nodes if n.op == "call_function")
     return {"losses": losses, "measured": measured, "decisions": zcompile.activation_decisions(),
             "backward_s": backward_s, "block_forward_s": block_forward_s, "planned": zcompile.planned_step_peak()}
+
+
+def delayed_update(rank: int, world: int, config: dict, steps: int = 4) -> dict:
+    """offload.delayed_update against a reference of the same compile path that applies step k's gradients at step
+    k+1 (the update inside the step): losses and, once the last update is landed, parameters; and CPUAdam's timeline
+    beside the start of each forward."""
+    import time
+    device = zcompile.runtime.dist_context.DistContext.current().device
+
+    def batch(step):
+        return rank_slice(global_batch(step, world), rank, world).to(device)
+
+    def build(offload):
+        reset_dynamo()
+        model = torch.compile(build_model("gpt").to(device), backend="zero",
+                              options={"config": dict(config, offload=offload)})
+        return model, zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
+
+    model, opt = build({"optimizer": "cpu", "delayed_update": True})
+    losses, forwards = [], []
+    for step in range(steps):
+        forwards.append(time.perf_counter())
+        loss = loss_of(model, "gpt", batch(step))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    before_landing = {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}
+    zcompile.land_delayed_update(opt)
+    delayed = {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}
+    timeline = list(opt.timeline)
+
+    model, opt = build({"optimizer": "cpu"})
+    ref_losses, held, ref_before_last = [], None, None
+    for step in range(steps + 1):
+        grads = None
+        if step < steps:
+            loss = loss_of(model, "gpt", batch(step))
+            loss.backward()
+            ref_losses.append(loss.item())
+            grads = [p.grad for p in model.parameters()]
+        if step == steps:
+            ref_before_last = {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}
+        if held is not None:
+            for p, g in zip(model.parameters(), held):
+                p.grad = g
+            opt.step()
+        opt.zero_grad()
+        model.zero_grad()  # the optimizer holds the unsharded parameters until its first step
+        held = grads
+    ref = {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}
+    return {"losses": losses, "ref_losses": ref_losses, "timeline": timeline, "forwards": forwards,
+            "same": all(torch.equal(delayed[k], ref[k]) for k in ref),
+            "stale_until_landed": all(torch.equal(before_landing[k], ref_before_last[k]) for k in ref)}
+
+
+def delayed_update_with_torch_adamw(rank: int, world: int) -> None:
+    config = {"stage": 3, "backend": "eager", "offload": {"optimizer": "cpu", "delayed_update": True}}
+    train(rank, world, "gpt", config, 1)
+
+
+def zero_grad_without_a_step(rank: int, world: int, offload: dict) -> dict:
+    """backward, optimizer.zero_grad(), backward, step: the same parameters as one backward and a step, also when
+    the optimizer steps host masters (offload: its zero_grad must clear the parameters' gradients too)."""
+    device = zcompile.runtime.dist_context.DistContext.current().device
+    out = []
+    for skip in (False, True):
+        reset_dynamo()
+        model = torch.compile(build_model("gpt").to(device), backend="zero",
+                              options={"config": {"stage": 3, "backend": "eager", "offload": offload}})
+        opt = zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
+        for step in range(3):
+            if skip and step == 1:  # a step the user skips: its gradients are dropped
+                loss_of(model, "gpt", rank_slice(global_batch(99, world), rank, world).to(device)).backward()
+                opt.zero_grad()
+            loss_of(model, "gpt", rank_slice(global_batch(step, world), rank, world).to(device)).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append({k: v.cpu() for k, v in zcompile.full_state_dict(model).items()})
+    return {"same": all(torch.equal(out[0][k], out[1][k]) for k in out[0])}

@@ -22,6 +22,7 @@ from zcompile.runtime.nvme_files import OffloadFileError
 from zcompile.runtime.offload_engine import offload_traffic, reset_offload_traffic
 from zcompile.runtime.dist_context import init_distributed
 from zcompile.runtime.dtensor_params import shard_parameters
+from zcompile.runtime.shard_store import land_delayed_update
 from zcompile.runtime.grad_clip import clip_grad_norm_
 from zcompile.runtime.memory_trace import measure_memory
 from zcompile.tools.report import memory_report
@@ -30,7 +31,7 @@ __all__ = ["zero_backend", "Config", "ConfigError", "ZCompileError", "ScheduleMi
            "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "full_state_dict", "memory_report", "measure_memory",
            "traffic", "reset_traffic", "MemoryBudgetError", "CPUAdam", "OffloadFileError", "offload_traffic",
            "reset_offload_traffic", "planned_step_peak", "activation_decisions", "step_tensor_peak", "ZeroError", "PeerTimeout", "PeerFailed",
-           "CheckpointError", "NonFiniteGradients", "shard_parameters"]
+           "CheckpointError", "NonFiniteGradients", "shard_parameters", "land_delayed_update"]
 __version__ = "0.1.0"
 
 if "zero" not in torch._dynamo.list_backends(exclude_tags=()):

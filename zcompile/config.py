@@ -164,6 +164,9 @@ SCHEMA: dict[str, Any] = {
         "activation_min_bytes": Key(_SIZE, 1 << 20, "smallest saved activation to offload: '1MiB' or bytes",
                                     size="bytes"),
         "overlap": Key((bool,), True, "NVMe reads run ahead of their use on a thread pool (false: read when needed)"),
+        "delayed_update": Key((bool,), False, "one-step delayed parameter update (ZeRO-Offload's DPU): the host "
+                              "optimizer's update of step k runs on a thread beside step k+1's forward and backward, "
+                              "which use parameters one update older; needs zcompile.CPUAdam"),
     }, "ZeRO-Infinity tiers"),
     "nonfinite": Key((str,), "off", "off, warn, skip or error: at optimizer.step(), all ranks learn whether any "
                      "rank's loss or gradients are NaN/inf and warn, skip the step, or raise NonFiniteGradients (one "
@@ -224,6 +227,7 @@ class Offload:
     nvme_keep: bool = _default("offload", "nvme_keep")
     activation_min_bytes: int = _default("offload", "activation_min_bytes")
     overlap: bool = _default("offload", "overlap")
+    delayed_update: bool = _default("offload", "delayed_update")
 
     @property
     def any(self) -> bool:
@@ -405,6 +409,10 @@ def _check_offload(o: Offload, where: str) -> None:
     if o.params != "none" and o.optimizer == "none":
         raise ConfigError(f"{where}: key 'offload.params' is {o.params!r} but 'offload.optimizer' is 'none': "
                           "offloaded shards are stepped where they live; set offload.optimizer to cpu or nvme")
+    if o.delayed_update and (o.optimizer == "none" or o.params != "none"):
+        raise ConfigError(f"{where}: key 'offload.delayed_update' needs offload.optimizer cpu, nvme or auto and "
+                          f"offload.params none (got optimizer {o.optimizer!r}, params {o.params!r}): the delayed "
+                          "update steps host masters while the next step reads the device's parameters")
     if "nvme" in (o.optimizer, o.params):
         if not o.nvme_path:
             raise ConfigError(f"{where}: key 'offload.nvme_path' is required when a tier is 'nvme'")

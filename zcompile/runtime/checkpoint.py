@@ -68,6 +68,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     dist.barrier(group=ctx.group)
     if optimizer is not None:
         shard_store.adopt_optimizer(optimizer)
+        shard_store.land_delayed_update(optimizer)
     module = _module(model)
     kind = "sharded" if _plain_shards(module) or _steps_other_tensors(module, optimizer) else "dcp"
     mine = {"rng": _rng_state(), "extra": extra or {}}

@@ -6,8 +6,16 @@ no per-parameter Python loop; results are bit-identical to `AdamW(fused=True)`. 
 `offload.optimizer` is "nvme", the moments live in files under `offload.nvme_path` (atomic, checksummed:
 `zcompile.runtime.nvme_files`) and a step streams them in chunks of about `chunk_mb`: the next chunk is read on the engine's
 thread pool while this one is updated, and written back behind it. `state_dict()` includes the moments either way.
+
+With zcompile's `offload.delayed_update` the step hook asks for a delayed step: `step()` takes the gradients and
+runs the update on a thread of its own, returning at once; the next step (or `state_dict()`, `wait()`) waits for it
+first. `timeline` keeps the last events of that (submitted, started, done, waited; step number; perf_counter).
 """
 from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
 
 import torch
 
@@ -23,9 +31,15 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.chunk_bytes = int(chunk_mb * 2**20)
         self.nvme: offload_engine.NvmeDir | None = None
+        self._steps = 0
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._unlanded = False
+        self.timeline: collections.deque = collections.deque(maxlen=64)  # (event, step, perf_counter s)
 
     def attach_nvme(self, nvme: offload_engine.NvmeDir | None) -> None:
         """Keep the moments in files of `nvme` (called by zcompile before each step when offload.optimizer is nvme)."""
+        self.wait()
         if nvme is not None and self.nvme is None:
             for p, st in self.state.items():  # moments created in memory so far move to files
                 if "exp_avg" in st:
@@ -52,14 +66,15 @@ class CPUAdam(torch.optim.Optimizer):
             return torch.zeros_like(p, memory_format=torch.preserve_format), torch.zeros_like(p)
         return tuple(self.nvme.read(f, p.numel(), torch.float32).view_as(p) for f in self.moment_files(p))
 
-    def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    def _chunks(self, pairs: list[tuple]) -> list[list[tuple]]:
+        """(parameter, gradient) pairs in chunks of about chunk_mb of parameters."""
         chunks, size = [[]], 0
-        for p in params:
-            if chunks[-1] and size + p.numel() * 4 > self.chunk_bytes:
+        for pair in pairs:
+            if chunks[-1] and size + pair[0].numel() * 4 > self.chunk_bytes:
                 chunks.append([])
                 size = 0
-            chunks[-1].append(p)
-            size += p.numel() * 4
+            chunks[-1].append(pair)
+            size += pair[0].numel() * 4
         return chunks
 
     # -- the step
@@ -77,6 +92,20 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait()
+        work = self._plan()
+        self._steps += 1
+        if self.__dict__.pop("_zc_delayed", False):  # zcompile's step hook: offload.delayed_update
+            self._record("update submitted", self._steps)
+            self._pending = self._thread().submit(self._apply, work, self._steps)
+        else:
+            self._apply(work, self._steps)
+        return loss
+
+    def _plan(self) -> list:
+        """(group, params, their gradients) per group, checked, with moments made; the gradients are taken now (a
+        delayed update runs after zero_grad has dropped them)."""
+        work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
@@ -84,35 +113,67 @@ class CPUAdam(torch.optim.Optimizer):
                     raise TypeError(f"CPUAdam steps dense fp32 host tensors; got {p.dtype} on {p.device} (with "
                                     "zcompile, set offload.optimizer to cpu or nvme so it steps host masters)")
                 self.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
-            if not params:
-                continue
-            if self.nvme is None:
-                for p in params:
-                    st = self.state[p]
-                    if "exp_avg" not in st:
-                        st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                self._update(group, params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
-                             [self.state[p]["exp_avg_sq"] for p in params])
-                continue
-            self._step_streamed(group, params)
-        return loss
+                if self.nvme is None and "exp_avg" not in self.state[p]:
+                    self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+            if params:
+                work.append((group, params, [p.grad for p in params]))
+        return work
 
-    def _step_streamed(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _apply(self, work: list, step: int) -> None:
+        self._record("update started", step)
+        for group, params, grads in work:
+            if self.nvme is None:
+                self._update(group, params, grads, [self.state[p]["exp_avg"] for p in params],
+                             [self.state[p]["exp_avg_sq"] for p in params])
+            else:
+                self._step_streamed(group, params, grads)
+        self._record("update done", step)
+
+    # -- the delayed update (offload.delayed_update): one step's update on a thread of its own
+    def _thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zc-delayed-update")
+        return self._executor
+
+    def wait(self) -> None:
+        """Block until a delayed update in flight is done (raising what it raised)."""
+        if self._pending is not None:
+            pending = self._pending
+            try:
+                pending.result()
+            finally:
+                if self._pending is pending:
+                    self._pending, self._unlanded = None, True
+                    self._record("update waited", self._steps)
+
+    def take_update(self) -> bool:
+        """Wait for the delayed update; True once per update whose parameters the caller must now copy out."""
+        self.wait()
+        unlanded, self._unlanded = self._unlanded, False
+        return unlanded
+
+    def _record(self, event: str, step: int) -> None:
+        self.timeline.append((event, step, time.perf_counter()))
+
+    def _step_streamed(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         pool = offload_engine.pool()
-        chunks = self._chunks(params)
-        reading = pool.submit(lambda c=chunks[0]: [self._read(p) for p in c])
+        chunks = self._chunks(list(zip(params, grads)))
+        reading = pool.submit(lambda c=chunks[0]: [self._read(p) for p, _ in c])
         writes = []
         for k, chunk in enumerate(chunks):
             moments = reading.result()
             if k + 1 < len(chunks):
-                reading = pool.submit(lambda c=chunks[k + 1]: [self._read(p) for p in c])
-            self._update(group, chunk, [p.grad for p in chunk], [m for m, _ in moments], [v for _, v in moments])
-            writes.append(pool.submit(lambda c=chunk, mv=moments: [self._write(p, m, v) for p, (m, v) in zip(c, mv)]))
+                reading = pool.submit(lambda c=chunks[k + 1]: [self._read(p) for p, _ in c])
+            self._update(group, [p for p, _ in chunk], [g for _, g in chunk], [m for m, _ in moments],
+                         [v for _, v in moments])
+            writes.append(pool.submit(lambda c=chunk, mv=moments: [self._write(p, m, v) for (p, _), (m, v) in
+                                                                   zip(c, mv)]))
         for w in writes:
             w.result()
 
     # -- state_dict includes the moments wherever they live
     def state_dict(self):
+        self.wait()
         if self.nvme is None:
             return super().state_dict()
         for p, st in self.state.items():
@@ -128,6 +189,7 @@ class CPUAdam(torch.optim.Optimizer):
                 st.pop("exp_avg", None), st.pop("exp_avg_sq", None)
 
     def load_state_dict(self, state_dict) -> None:
+        self.wait()
         super().load_state_dict(state_dict)
         if self.nvme is not None:
             for p, st in self.state.items():

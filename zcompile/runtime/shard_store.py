@@ -86,6 +86,7 @@ class ShardedParam:
         self.key = next(_keys)
         self.param_tier = _tier(offload.params if offload is not None and stage == Stage.PARAMETERS else "none")
         self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= Stage.GRADIENTS else "none")
+        self.delayed_update = offload is not None and offload.delayed_update  # offload.delayed_update (a master's)
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
                      if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
@@ -603,6 +604,27 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> None:
             params[i] = target
             if p in optimizer.state:
                 optimizer.state[target] = {k: _reshard_state(v, zp, target) for k, v in optimizer.state.pop(p).items()}
+            if target is zp.master and not isinstance(optimizer.__dict__.get("zero_grad"), _ZeroGrad):
+                optimizer.zero_grad = _ZeroGrad(optimizer)
+
+
+class _ZeroGrad:
+    """`optimizer.zero_grad` of an optimizer that steps host masters: the masters' gradients and those of the
+    parameters the user handed it, which hold a backward's gradients until a step moves them to the masters (a
+    backward, zero_grad and another backward with no step between must not add the first one in)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        type(self.optimizer).zero_grad(self.optimizer, set_to_none)
+        for zp in _Stepped.of(self.optimizer).offloaded:
+            holder = zp.dtensor if zp.dtensor is not None else zp.shard
+            if holder.grad is not None:
+                if set_to_none:
+                    holder.grad = None
+                else:
+                    holder.grad.detach().zero_()
 
 
 def _reshard_state(value, zp: ShardedParam, target: torch.Tensor):
@@ -662,6 +684,29 @@ def _check_offloaded_optimizer(optimizer, zps: list[ShardedParam]) -> None:
         attach(nvme)
 
 
+def _check_delayed(optimizer) -> None:
+    if not hasattr(optimizer, "take_update"):
+        raise TypeError(f"offload.delayed_update is on but the optimizer is {type(optimizer).__name__}: only "
+                        "zcompile.CPUAdam runs its update beside the next step")
+
+
+def _land(optimizer, stepped: "_Stepped") -> None:
+    """Wait for the optimizer's delayed update and copy the parameters it made to the device."""
+    if optimizer.take_update():
+        for zp in stepped.delayed:
+            zp.after_offloaded_step()
+
+
+def land_delayed_update(optimizer) -> None:
+    """offload.delayed_update: wait for the update still running and put its parameters in place, so that the model
+    holds every step's update (before evaluating, saving or reading the parameters outside the training loop; the
+    next optimizer.step() and zcompile.save_checkpoint do it too). Nothing to do otherwise."""
+    if hasattr(optimizer, "take_update"):
+        stepped = _Stepped.of(optimizer)
+        if stepped.delayed:
+            _land(optimizer, stepped)
+
+
 class _Stepped:
     """What an optimizer steps, as zcompile's step hooks need it: worked out again only when its parameter list or a
     parameter's layout changed (`layout_changed`), not per parameter at every step (issue 56: these hooks run for
@@ -677,6 +722,8 @@ class _Stepped:
         self.not_dtensor = [zp for zp in self.zps if zp.dtensor is None]
         self.enter = [zp for zp in self.not_dtensor if zp.stage == Stage.OPTIMIZER]
         self.offloaded = [zp for zp in self.zps if zp.optim_tier in (Tier.CPU, Tier.NVME)]
+        self.delayed = [zp for zp in self.offloaded if zp.delayed_update and zp.master is not None]
+        self.in_step = [zp for zp in self.offloaded if not (zp.delayed_update and zp.master is not None)]
 
     @staticmethod
     def of(optimizer) -> "_Stepped":
@@ -699,8 +746,13 @@ def _pre_step(optimizer, args, kwargs) -> None:
         check_not_reassigned(zp)
     for zp in stepped.enter:
         zp.enter_step()
+    if stepped.delayed:
+        _check_delayed(optimizer)
+        _land(optimizer, stepped)
     for zp in stepped.offloaded:
         zp.before_offloaded_step()
+    if stepped.delayed:
+        optimizer._zc_delayed = True  # CPUAdam.step runs this update on its thread
     if not kwargs and all(a is optimizer for a in args):  # torch passes (self,); a closure makes gradients in step
         optimizer._zc_hidden = local_step.step_locally(optimizer, _pre_step)
 
@@ -713,7 +765,7 @@ def _post_step(optimizer, args, kwargs) -> None:
         zp.written = True
     for zp in stepped.enter:
         zp.exit_step()
-    for zp in stepped.offloaded:
+    for zp in stepped.in_step:  # a delayed update's parameters are copied out at the next step (_land)
         zp.after_offloaded_step()
     # whole-parameter copies are refreshed by the next graph run that reads them (refresh_stale)
 
