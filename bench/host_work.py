@@ -5,7 +5,8 @@ as a column that doubles).
     python bench/host_work.py                      # nanoGPT, 8 and 24 layers x 64, vocabulary 256, 2 x 64 tokens, bf16
 
 Per system (bench/workload.py's setups, world 1, gloo) and depth, one training step after --warmup steps
-(forward, backward, clip_grad_norm_(1.0), AdamW in nanoGPT's groups, zero_grad), counted on the host:
+(forward, backward, clip_grad_norm_(1.0), AdamW in nanoGPT's groups, foreach or with --fused fused, zero_grad),
+counted on the host:
   python calls      sys.setprofile "call" and "c_call" events (Python functions and builtins entered); the JSON
                     also has them per phase (forward, backward, clip, step, zero_grad)
   eager ops         ATen / prims / c10d ops the profiler sees at the top of the dispatcher stack (not inside another
@@ -91,6 +92,9 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
     model = nanogpt.GPT(nanogpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers,
                                           n_head=args.heads, n_embd=args.width))
     run, opt, autocast = workload.SETUP[system](model, world, device, bf16)
+    if args.fused:  # what nanoGPT's configure_optimizers picks on CUDA
+        opt = torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("foreach", "fused")}
+                                 for g in opt.param_groups], fused=True)
 
     def step(i, mark=lambda name: None):
         g = torch.Generator().manual_seed(i)
@@ -126,7 +130,7 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
 
 def markdown(rows: list[dict], args) -> str:
     out = [f"### nanoGPT {args.width} wide, vocabulary {args.vocab}, {args.micro} x {args.seq} tokens, {args.dtype}, "
-           f"world 1, CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
+           f"{'fused' if args.fused else 'foreach'} AdamW, world 1, CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
            "| system | layers | python calls | eager ops | graph calls | autograd nodes | step (ms) |",
            "|---|---:|---:|---:|---:|---:|---:|"]
@@ -148,6 +152,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--fused", action="store_true", help="fused AdamW, as nanoGPT on CUDA (default: foreach, its "
+                    "choice on the CPU)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS))

@@ -15,6 +15,7 @@ rewritten as each finishes, so a killed run keeps what finished):
                        torch.compile(model)
   zcompile_z3          torch.compile(model, backend="zero") with the default config (+ bf16 param_dtype on GPU)
   zcompile_z3_offload  the same with `offload: {optimizer: cpu}` and zcompile.CPUAdam
+  zcompile_z3_offload_delayed  and `offload.delayed_update` (the host update beside the next step)
 Every system compiles cold (an inductor cache directory of its own) unless --warm. Reported per system: median step
 (steps after --warmup), tokens/s (all ranks), peak memory (CUDA: max_memory_allocated over the timed steps; CPU:
 zcompile.step_tensor_peak, live storages at a step's start plus the allocator's highest rise in it), first step
@@ -113,6 +114,7 @@ def _zcompile(**extra):
 
 SETUP = {"torch_compile": setup_torch_compile, "fsdp2_compile": setup_fsdp2_compile,
          "zcompile_z3": _zcompile(), "zcompile_z3_offload": _zcompile(offload={"optimizer": "cpu"}),
+         "zcompile_z3_offload_delayed": _zcompile(offload={"optimizer": "cpu", "delayed_update": True}),
          # the defaults' alternatives (docs/configuration.md justifies each default by these rows)
          "zcompile_z3_whole_graph": _zcompile(regional_compile=False),
          "zcompile_z3_nested": _zcompile(regional_compile="nested"),
