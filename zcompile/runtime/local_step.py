@@ -11,19 +11,16 @@ the same tensors: bit-identical to the optimizer's own step.
 
 Taken only where nothing could tell the difference: the optimizer is exactly torch.optim.Adam or AdamW, stepped
 without a closure, with no hooks of its own, no GradScaler state, nothing differentiable, and zcompile's pre-hook the
-last global one; every parameter with a gradient is a zcompile DTensor whose gradient and state (made by an earlier
-step: the first step, which creates the state, is torch's) have the parameter's placements. Anything else: the
-optimizer steps as it would.
+last global one; every DTensor parameter with a gradient has a gradient and state (made by an earlier step: the
+first step, which creates the state, is torch's) with its mesh, placements and local shape. Anything else: the
+optimizer steps them as it would. Plain tensor parameters are always left to the optimizer's own loop.
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 from torch.optim.optimizer import _default_to_fused_or_foreach, _global_optimizer_pre_hooks
-
-def _adam():
-    from torch.optim.adam import adam
-    return adam
 
 
 def step_locally(optimizer, last_hook) -> list | None:
@@ -41,7 +38,6 @@ def step_locally(optimizer, last_hook) -> list | None:
         if plan is None:
             return None
         plans.append(plan)
-    adam = _adam()
     hidden = []
     for group, (params, grads, states, steps, kwargs) in zip(optimizer.param_groups, plans):
         if not params:

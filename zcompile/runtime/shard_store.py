@@ -86,7 +86,7 @@ class ShardedParam:
         self.key = next(_keys)
         self.param_tier = _tier(offload.params if offload is not None and stage == Stage.PARAMETERS else "none")
         self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= Stage.GRADIENTS else "none")
-        self.delayed_update = offload is not None and offload.delayed_update  # offload.delayed_update (a master's)
+        self.delayed_update = offload is not None and offload.delayed_update  # applies where a master is stepped
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
                      if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
@@ -723,7 +723,7 @@ class _Stepped:
         self.enter = [zp for zp in self.not_dtensor if zp.stage == Stage.OPTIMIZER]
         self.offloaded = [zp for zp in self.zps if zp.optim_tier in (Tier.CPU, Tier.NVME)]
         self.delayed = [zp for zp in self.offloaded if zp.delayed_update and zp.master is not None]
-        self.in_step = [zp for zp in self.offloaded if not (zp.delayed_update and zp.master is not None)]
+        self.in_step = [zp for zp in self.offloaded if zp not in self.delayed]  # copied back after the step
 
     @staticmethod
     def of(optimizer) -> "_Stepped":
