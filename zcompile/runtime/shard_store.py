@@ -35,7 +35,7 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from zcompile.runtime import collective_traffic, local_step, nonfinite, offload_engine
@@ -295,7 +295,6 @@ class ShardedParam:
     def as_dtensor(self, rows: torch.Tensor, mesh) -> torch.Tensor:
         """The DTensor of the parameter's shape whose local tensor on this rank is `rows` (from as_rows)."""
         from torch._prims_common import make_contiguous_strides_for
-        from torch.distributed.tensor import DTensor, Shard
         return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=torch.Size(self.shape),
                                   stride=make_contiguous_strides_for(self.shape))
 
@@ -324,7 +323,6 @@ class ShardedParam:
         spec = self._grad_spec
         if spec is None or spec.mesh is not self.dtensor._spec.mesh or spec.tensor_meta.dtype != rows.dtype:
             from torch._prims_common import make_contiguous_strides_for
-            from torch.distributed.tensor import Shard
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
             meta = TensorMeta(torch.Size(self.shape), make_contiguous_strides_for(self.shape), rows.dtype)
             spec = self._grad_spec = DTensorSpec(self.dtensor._spec.mesh, (Shard(0),), tensor_meta=meta)
@@ -428,9 +426,14 @@ class ShardedParam:
         return self.dtensor is not None or self.stage >= Stage.GRADIENTS
 
     # -- optimizer offload around the step
+    @property
+    def grad_holder(self) -> torch.Tensor:
+        """Where a backward leaves this parameter's gradient until an offloaded step moves it to the master."""
+        return self.dtensor if self.dtensor is not None else self.shard
+
     def before_offloaded_step(self) -> None:
         self.materialize()
-        holder = self.dtensor if self.dtensor is not None else self.shard
+        holder = self.grad_holder
         if self.master is not None and self.dtensor is not None and self.dtensor._version != self.master_synced:
             # the user wrote the parameter since the last step (p.mul_, load_state_dict): the master steps from that
             offload_engine.count("device->cpu", self.shard_numel * self.dtype.itemsize)
@@ -619,7 +622,7 @@ class _ZeroGrad:
     def __call__(self, set_to_none: bool = True) -> None:
         type(self.optimizer).zero_grad(self.optimizer, set_to_none)
         for zp in _Stepped.of(self.optimizer).offloaded:
-            holder = zp.dtensor if zp.dtensor is not None else zp.shard
+            holder = zp.grad_holder
             if holder.grad is not None:
                 if set_to_none:
                     holder.grad = None
@@ -629,7 +632,6 @@ class _ZeroGrad:
 
 def _reshard_state(value, zp: ShardedParam, target: torch.Tensor):
     """Optimizer state of a parameter, moved to the layout of `target` (a DTensor's rows or a flat shard)."""
-    from torch.distributed.tensor import DTensor
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or isinstance(value, DTensor):
         return value
     if tuple(value.shape) == zp.shape:
