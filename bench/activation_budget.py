@@ -2,11 +2,15 @@
 
     python bench/activation_budget.py                      # GPT-like, 4 layers, 128 wide, 8 x 256 tokens per rank
     python bench/activation_budget.py --fraction 0.5 --layers 4
+    python bench/activation_budget.py --model llama --budget-from checkpoint   # issue 58: checkpoint's peak as budget
 
-Runs, each in fresh processes (world 2, gloo, stage 3, inductor), one after the other:
+Runs, each in fresh processes (world 2, gloo; stage 3 and inductor by default), one after the other:
   unconstrained   the default config, no memory_budget: its measured tensor peak P sets the budget
   checkpoint      torch.utils.checkpoint around every block (use_reentrant=False), no budget: the user's manual way
-  budget          memory_budget = fraction x P: the planner picks what to recompute (offload is no saving on a CPU)
+  budget          memory_budget = fraction x P (or, with --budget-from checkpoint, checkpoint's measured peak): the
+                  planner picks what to recompute (offload is no saving on a CPU)
+Models: gpt (zcompile.models.gpt), llama (zcompile.models.llama: RMSNorm, rotary SDPA, SwiGLU), hf-llama (Hugging
+Face's LlamaForCausalLM from a config; checkpoint is its gradient_checkpointing_enable()).
 checkpoint and budget run alternately `--rounds` times (the step is noisy with two ranks on two cores).
 Reported per run: median step (the median of the rounds'), tensor peak per rank (zcompile.step_tensor_peak), planned peak, first step, the losses
 (against the unconstrained run's) and the planner's decisions. The inductor cache is the user's (first steps are
@@ -27,12 +31,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zcompile  # noqa: E402
 from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
+from zcompile.models.llama import Llama, LlamaConfig  # noqa: E402
 from zcompile.tools.launch import WorkerFailed, run_world  # noqa: E402
 
 
-def build(layers: int, width: int, seq: int, checkpoint: bool) -> GPT:
+MODELS = ("gpt", "llama", "hf-llama")
+
+
+def build(name: str, layers: int, width: int, seq: int, checkpoint: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=seq, n_layer=layers, n_head=4, n_embd=width))
+    if name == "hf-llama":
+        import transformers as tf
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=256, hidden_size=width, intermediate_size=int(width * 8 / 3) // 8 * 8, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq, attn_implementation="sdpa"))
+        if checkpoint:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    if name == "llama":
+        model = Llama(LlamaConfig(vocab_size=256, block_size=seq, n_layer=layers, n_head=4, n_embd=width))
+    else:
+        model = GPT(GPTConfig(vocab_size=256, block_size=seq, n_layer=layers, n_head=4, n_embd=width))
     if checkpoint:
         from torch.utils.checkpoint import checkpoint as ckpt
         for block in model.blocks:
@@ -41,8 +60,8 @@ def build(layers: int, width: int, seq: int, checkpoint: bool) -> GPT:
 
 
 def worker(rank: int, world: int, run: str, args, budget: int | None) -> dict:
-    model = build(args.layers, args.width, args.seq, run == "checkpoint")
-    config = {"stage": 3, "backend": "inductor"}
+    model = build(args.model, args.layers, args.width, args.seq, run == "checkpoint")
+    config = {"stage": args.stage, "backend": args.backend}
     if budget is not None:
         config["memory_budget"] = budget
     compiled = torch.compile(model, backend="zero", options={"config": config})
@@ -52,7 +71,10 @@ def worker(rank: int, world: int, run: str, args, budget: int | None) -> dict:
         g = torch.Generator().manual_seed(1000 * i + rank)
         xy = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
         t0 = time.perf_counter()
-        loss = compiled(xy[:, :-1], xy[:, 1:]).loss
+        if args.model == "hf-llama":  # labels are shifted inside; no K/V cache, as gradient checkpointing sets
+            loss = compiled(input_ids=xy[:, :-1], labels=xy[:, :-1], use_cache=False).loss
+        else:
+            loss = compiled(xy[:, :-1], xy[:, 1:]).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -73,22 +95,34 @@ def worker(rank: int, world: int, run: str, args, budget: int | None) -> dict:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt", choices=MODELS)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--fraction", type=float, default=0.5, help="memory_budget as a fraction of the measured peak")
+    ap.add_argument("--budget-from", default="fraction", choices=["fraction", "checkpoint"],
+                    help="memory_budget: --fraction of the unconstrained peak, or checkpoint's measured peak")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--stage", type=int, default=3, choices=[2, 3])
+    ap.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     ap.add_argument("--rounds", type=int, default=3,
                     help="checkpoint and budget run alternately this many times (the step is their median)")
+    ap.add_argument("--skip-unconstrained", action="store_true",
+                    help="with --budget-from checkpoint: only checkpoint and budget (losses compared to checkpoint's)")
     ap.add_argument("--out", default="bench/results/activation_budget.md")
     args = ap.parse_args(argv)
+    if args.skip_unconstrained and args.budget_from == "fraction":
+        ap.error("--skip-unconstrained needs --budget-from checkpoint (the fraction is of the unconstrained peak)")
     rows = []
-    for run in ["unconstrained"] + ["checkpoint", "budget"] * args.rounds:
+    for run in ["unconstrained"] * (not args.skip_unconstrained) + ["checkpoint", "budget"] * args.rounds:
         if run == "budget" and ("peak_bytes" not in rows[0] or any("error" in r for r in rows)):
             continue  # no budget to set, or it failed once: it fails every time
-        budget = int(args.fraction * rows[0]["peak_bytes"]) if run == "budget" else None
+        budget = None
+        if run == "budget":
+            budget = int(args.fraction * rows[0]["peak_bytes"]) if args.budget_from == "fraction" else \
+                next(r["peak_bytes"] for r in rows if r["run"] == "checkpoint")
         try:
             r = run_world(args.world, worker, run, args, budget, timeout=900)[0]
         except WorkerFailed as e:  # a budget below the smallest plan: the error says what it would need
@@ -103,8 +137,10 @@ def main(argv=None) -> list[dict]:
               f"(planned {r['planned_bytes'] / 2**20:.2f}), first {r['first_step_s']:.1f} s", flush=True)
     ran = [r for r in rows if "error" not in r]
     diff = max(abs(a - b) for r in ran for a, b in zip(r["losses"], rows[0]["losses"]))
-    lines = [f"### GPT-like, {args.layers} layers, {args.width} wide, vocab 256, {args.micro} x {args.seq} tokens per "
-             f"rank, world {args.world} (gloo, CPU {os.cpu_count()} cores), stage 3, inductor, torch "
+    title = {"gpt": "GPT-like (zcompile.models.gpt)", "llama": "Llama-style (zcompile.models.llama)",
+             "hf-llama": "Hugging Face LlamaForCausalLM"}[args.model]
+    lines = [f"### {title}, {args.layers} layers, {args.width} wide, vocab 256, {args.micro} x {args.seq} tokens per "
+             f"rank, world {args.world} (gloo, CPU {os.cpu_count()} cores), stage {args.stage}, {args.backend}, torch "
              f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
              f"Step: the median over {args.rounds} round(s) of each run's median step (checkpoint and budget run "
              "alternately, each in fresh processes; the rounds' values in brackets).", "",
@@ -121,7 +157,7 @@ def main(argv=None) -> list[dict]:
         lines.append(f"| {name} | {b} | {statistics.median(steps):.1f}{each} | "
                      f"{max(r['peak_bytes'] for r in mine) / 2**20:.2f} | {mine[0]['planned_bytes'] / 2**20:.2f} | "
                      f"{mine[0]['first_step_s']:.1f} |")
-    lines += ["", f"Largest difference of any run's loss from the unconstrained run's at the same step: {diff:.2e} "
+    lines += ["", f"Largest difference of any run's loss from the {rows[0]['run']} run's at the same step: {diff:.2e} "
               f"(inductor fuses a forward that returns fewer saved values differently).", "",
               "Decisions under the budget (rank 0):", "", "```", *rows[-1].get("decisions", []), "```"]
     with open(args.out, "w") as f:

@@ -9,6 +9,7 @@ frees nothing there and is not offered. planner.choose_activations picks among t
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 import torch.fx as fx
@@ -25,37 +26,46 @@ def _group(node: fx.Node, action: str, ops: int) -> tuple:
 
 def options(fw: fx.GraphModule, num_fwd_outputs: int, cost: timeline.CostModel, device: torch.device,
             offload_min_bytes: int) -> tuple[list[ActivationChoice], list[ActivationChoice]]:
-    """Per saved activation of the partitioned forward `fw`, its cheapest way out alone (with every other saved
-    value kept); and those without one (kept)."""
+    """Per saved storage of the partitioned forward `fw`, its cheapest way out alone (with every other saved value
+    kept); and those without one (kept). Saved values on one storage (attention's output and the view of it the
+    output projection reads) go out together: one alone frees nothing while the other keeps the storage."""
     saved_nodes = list(dict.fromkeys(n for n in recompute.saved_values(fw, num_fwd_outputs) if isinstance(n, fx.Node)))
     saved = {n.name for n in saved_nodes}
     # recompute.kept_storages of every other saved value, from one count instead of a scan of the graph per value
     held = collections.Counter(recompute.storage_of(n) for n in saved_nodes if n.op != "placeholder")
     held.pop(None, None)
-    ways, kept = [], []
+    sharing = collections.defaultdict(list)
     for node in recompute.saved_tensors(fw, num_fwd_outputs):
+        sharing[recompute.storage_of(node)].append(node)
+    ways, kept = [], []
+    for mine, members in sharing.items():
+        node, names = members[0], {n.name for n in members}
         shape, size = tuple(node.meta["val"].shape), recompute.nbytes(node)
+        others = {s for s, k in held.items() if k > (len(members) if s == mine else 0)}
+        chains = [recompute.chain(fw, n, saved - names, others) for n in members]
         found = []
-        mine = recompute.storage_of(node)
-        others = {s for s, k in held.items() if k > (s == mine)}
-        rc = recompute.chain(fw, node, saved - {node.name}, others)
-        # a storage another saved value keeps (a view's base) is freed by neither, and costs nothing to save
-        freed = 0 if rc is None or recompute.storage_of(node) in others else \
-            size - sum(recompute.nbytes(n) for n in rc.leaves if recompute.storage_of(n) not in others)
-        if freed > 0:
-            extra = f"; saves {', '.join(n.name for n in rc.leaves)} instead" if rc.leaves else ""
-            found.append(ActivationChoice(
-                node.name, shape, size, "recompute", sum(timeline.op_seconds(n, cost) for n in rc.ops),
-                f"{len(rc.ops)} op(s) ending {', '.join(n.name for n in rc.ops[-3:])}{extra}",
-                _group(node, "recompute", len(rc.ops)), freed))
-        if device.type != "cpu" and size >= offload_min_bytes and recompute.storage_of(node) not in others:
+        if mine not in others and all(c is not None for c in chains):
+            # a storage another saved value keeps (a view's base) is freed by neither, and costs nothing to save
+            leaves = list(dict.fromkeys(leaf for c in chains for leaf in c.leaves))
+            ops = list(dict.fromkeys(op for c in chains for op in c.ops))
+            freed = size - sum(recompute.nbytes(n) for n in
+                               {recompute.storage_of(leaf): leaf for leaf in leaves
+                                if recompute.storage_of(leaf) not in others}.values())
+            if freed > 0:
+                extra = f"; saves {', '.join(n.name for n in leaves)} instead" if leaves else ""
+                found.append(ActivationChoice(
+                    node.name, shape, size, "recompute", sum(timeline.op_seconds(n, cost) for n in ops),
+                    f"{len(ops)} op(s) ending {', '.join(n.name for n in ops[-3:])}{extra}",
+                    _group(node, "recompute", len(ops)), freed, tuple(n.name for n in members[1:])))
+        # offload copies a value: one whose storage other saved values share is not offered
+        if device.type != "cpu" and size >= offload_min_bytes and len(members) == 1 and mine not in others:
             found.append(ActivationChoice(node.name, shape, size, "offload", 2 * size / cost.host_bytes_per_s,
                                           "to the host after the forward, back before its first use",
                                           _group(node, "offload", 0), size))
         if found:
             ways.append(min(found, key=lambda c: c.cost_s))
         else:
-            kept.append(ActivationChoice(node.name, shape, size))
+            kept.append(ActivationChoice(node.name, shape, size, also=tuple(n.name for n in members[1:])))
     return ways, kept
 
 
@@ -65,14 +75,14 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, chosen: 
     choices in effect (a recompute whose chain the others made impossible stays saved; an offload whose storage a
     saved value keeps is not made) and the seconds the recomputed ops add (an op shared by several recomputed values
     counts once)."""
-    done, seconds = recompute.apply(fw, bw, num_fwd_outputs, {c.name for c in chosen if c.action == "recompute"},
-                                    cost)
+    done, seconds = recompute.apply(fw, bw, num_fwd_outputs,
+                                    {n for c in chosen if c.action == "recompute" for n in c.names}, cost)
     offload = {c.name for c in chosen if c.action == "offload"}
     # an offload frees nothing where another saved value (a recompute's new input) keeps its storage on the device
     held = recompute.kept_storages(fw, {n.name for n in recompute.saved_values(fw, num_fwd_outputs)
                                         if isinstance(n, fx.Node)} - offload)
     nodes = {n.name: n for n in fw.graph.nodes}
-    return [c for c in chosen if (c.name in done if c.action == "recompute" else
+    return [c for c in chosen if (set(c.names) <= done if c.action == "recompute" else
                                   c.name in nodes and recompute.storage_of(nodes[c.name]) not in held)], seconds
 
 
@@ -81,7 +91,7 @@ def report(every: list[ActivationChoice], chosen: list[ActivationChoice], recomp
     """A summary line, then one line per saved activation (the decision and its cost), for the dumps and plan."""
     f = liveness.fmt
     by_name = {c.name: c for c in chosen}
-    lines = [by_name[c.name].line() if c.name in by_name else ActivationChoice(c.name, c.shape, c.nbytes).line()
+    lines = [by_name[c.name].line() if c.name in by_name else dataclasses.replace(c, action="keep").line()
              for c in every]
     parts = []
     for action in ("recompute", "offload"):

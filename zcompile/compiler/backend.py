@@ -87,6 +87,19 @@ def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
             pctx.own_placeholders.add(ph.name)
 
 
+def _tangents_note(gm: fx.GraphModule) -> str:
+    """The backward's gradients of non-scalar forward outputs: autograd fills one with zeros for every output the
+    loss does not use (the logits beside a loss, a Hugging Face model's K/V cache), and they count."""
+    outs = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")
+            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > 1]
+    if not outs:
+        return ""
+    nbytes = sum(n.meta["val"].untyped_storage().nbytes() for n in outs)
+    return (f", gradients of {len(outs)} forward output(s) {liveness.fmt(nbytes)}: one the loss does not use is "
+            "zero-filled by autograd, e.g. a Hugging Face model's K/V cache (call it with use_cache=False) or "
+            "logits returned beside the loss")
+
+
 class _GraphCompile:
     """One dynamo graph's trip through the passes and the compiler."""
 
@@ -349,7 +362,8 @@ class _GraphCompile:
         g = lives[worst]
         msg = (f"{self.cfg.source}: planned step peak {liveness.fmt(peak)} per rank exceeds memory_budget "
                f"{liveness.fmt(budget)}: gradients {liveness.fmt(state.grad)} + optimizer state "
-               f"{liveness.fmt(state.optim)} + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, batch) "
+               f"{liveness.fmt(state.optim)} + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, batch"
+               + _tangents_note(graphs[worst]) + ") "
                f"+ transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}"
                + (f" (with the saved activations, {liveness.fmt(g.saved_bytes)} at the backward's start)"
                   if g.saved_bytes else "") + ". Offload moves "

@@ -108,9 +108,15 @@ class ActivationChoice:
     detail: str = ""          # the ops recomputed, or the copies made
     group: tuple = ()         # choices that are the same work in another block are made together
     freed: int = 0            # bytes the way out frees (a recompute may save a smaller input instead)
+    also: tuple = ()          # other saved values on the same storage, which go with this one
+
+    @property
+    def names(self) -> tuple:
+        return (self.name,) + self.also
 
     def line(self) -> str:
-        what = f"{self.action:<9} {self.name} {list(self.shape)} {liveness.fmt(self.nbytes)}"
+        name = self.name + "".join(f" (+{n})" for n in self.also)
+        what = f"{self.action:<9} {name} {list(self.shape)} {liveness.fmt(self.nbytes)}"
         return what + (f": +{self.cost_s * 1e3:.3f} ms ({self.detail})" if self.action != "keep" else "")
 
 

@@ -64,7 +64,20 @@ def _recomputable(node: fx.Node) -> bool:
     op = node.target
     if not isinstance(op, torch._ops.OpOverload) or op.namespace not in ("aten", "prims"):
         return False  # collectives, zcompile's copies, higher-order ops
-    return not (op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags)
+    if op._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in op.tags or _dropout_p(node) == 0
+
+
+def _dropout_p(node: fx.Node):
+    """The `dropout_p` argument of a seeded op that has one (the SDPA kernels are tagged seeded for their dropout:
+    at 0 they draw nothing and run the same twice, as checkpointing a block recomputes them); None otherwise."""
+    for k, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in node.kwargs:
+                return node.kwargs[arg.name]
+            return node.args[k] if k < len(node.args) else arg.default_value
+    return None
 
 
 def nbytes(node: fx.Node) -> int:
