@@ -142,6 +142,7 @@ def main(argv=None) -> list[dict]:
     lines = [f"### {title}, {args.layers} layers, {args.width} wide, vocab 256, {args.micro} x {args.seq} tokens per "
              f"rank, world {args.world} (gloo, CPU {os.cpu_count()} cores), stage {args.stage}, {args.backend}, torch "
              f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+             f"`python bench/activation_budget.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"Step: the median over {args.rounds} round(s) of each run's median step (checkpoint and budget run "
              "alternately, each in fresh processes; the rounds' values in brackets).", "",
              "| run | memory_budget (MiB) | step (ms) | tensor peak / rank (MiB) | planned (MiB) | first step (s) |",
