@@ -253,15 +253,19 @@ def test_a_budget_at_checkpointings_peak_fits(tmp_path, model, stage, backend):
     assert budget["decisions"][0].startswith("activation plan:") and "recompute" in budget["decisions"][0]
 
 
-def test_plan_with_a_budget_prints_a_plan_that_fits():
-    """zcompile plan --budget: GPT-3 175B shapes (2 of its 96 layers, to stay quick) on 512 ranks. A budget below
-    the smallest plan says what that plan needs; one halfway between it and the plan keeping every activation
-    is met, by recomputing."""
-    free = zplan.plan("gpt-175b", 512, 64, overrides={"n_layer": 2})
-    tiny = zplan.plan("gpt-175b", 512, 64, overrides={"n_layer": 2}, budget="1MiB")
+@pytest.mark.parametrize("model, world, nodes, seq", [("gpt-175b", 512, 64, None), ("llama-7b", 8, 1, 512)])
+def test_plan_with_a_budget_prints_a_plan_that_fits(model, world, nodes, seq):
+    """zcompile plan --budget: GPT-3 175B shapes on 512 ranks and Llama 2 7B shapes on 8 (2 of their layers, to
+    stay quick). A budget below the smallest plan says what that plan needs; one halfway between it and the plan
+    keeping every activation is met, by recomputing."""
+    free = zplan.plan(model, world, nodes, seq=seq, overrides={"n_layer": 2})
+    if model.startswith("llama"):  # embedding and untied head, then per layer: attention, SwiGLU, two norms
+        d, ff = 4096, 11008
+        assert free.num_params == 2 * 32000 * d + 2 * (4 * d * d + 3 * d * ff + 2 * d) + d
+    tiny = zplan.plan(model, world, nodes, seq=seq, overrides={"n_layer": 2}, budget="1MiB")
     assert tiny.step_peak < free.step_peak and "the smallest plan found needs" in tiny.summary()
     budget = (tiny.step_peak + free.step_peak) // 2
-    fitted = zplan.plan("gpt-175b", 512, 64, overrides={"n_layer": 2}, budget=str(budget))
+    fitted = zplan.plan(model, world, nodes, seq=seq, overrides={"n_layer": 2}, budget=str(budget))
     assert fitted.step_peak <= budget and "fits the budget" in fitted.summary()
     assert fitted.activations[0].startswith("activation plan:") and "recompute" in fitted.activations[0]
     assert any(line.lstrip().startswith("keep") for line in fitted.activations[1:])  # not everything: the fewest

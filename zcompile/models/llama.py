@@ -19,6 +19,7 @@ class LlamaConfig:
     n_head: int = 4
     n_embd: int = 64
     ffn_mult: float = 8 / 3  # SwiGLU hidden size: this times n_embd, rounded down to a multiple of 8
+    ffn_hidden: int | None = None  # or exactly this (Llama 2 7B: 11008)
 
 
 class RMSNorm(nn.Module):
@@ -54,7 +55,7 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        hidden = int(cfg.ffn_mult * cfg.n_embd) // 8 * 8
+        hidden = cfg.ffn_hidden or int(cfg.ffn_mult * cfg.n_embd) // 8 * 8
         self.gate = nn.Linear(cfg.n_embd, hidden, bias=False)
         self.up = nn.Linear(cfg.n_embd, hidden, bias=False)
         self.down = nn.Linear(hidden, cfg.n_embd, bias=False)

@@ -20,6 +20,7 @@ from zcompile.compiler import backend as zbackend, collectives, liveness, planne
 from zcompile.tools import report
 from zcompile.runtime.dist_context import DistContext
 from zcompile.models.gpt import GPT, GPTConfig
+from zcompile.models.llama import Llama, LlamaConfig
 from zcompile.config import Stage
 
 PRESETS = {  # GPT-3 paper shapes (vocab padded to a multiple of 64), and GPT-2's largest
@@ -29,6 +30,9 @@ PRESETS = {  # GPT-3 paper shapes (vocab padded to a multiple of 64), and GPT-2'
     "gpt-175b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=96, n_head=96, n_embd=12288),
     "gpt-1t": GPTConfig(vocab_size=50304, block_size=2048, n_layer=128, n_head=160, n_embd=25600),
     "gpt2-1.5b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),  # GPT-2 XL
+    # Llama 2 shapes (zcompile.models.llama: RMSNorm, rotary SDPA, SwiGLU, untied head; no grouped KV heads)
+    "llama-7b": LlamaConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, ffn_hidden=11008),
+    "llama-13b": LlamaConfig(vocab_size=32000, block_size=4096, n_layer=40, n_head=40, n_embd=5120, ffn_hidden=13824),
 }
 
 
@@ -127,7 +131,7 @@ class Plan:
         return "".join(schedule_text(kind, gm) for kind, gm in self.graphs.items())
 
 
-def build_model(spec: str) -> tuple[str, GPTConfig]:
+def build_model(spec: str) -> tuple[str, GPTConfig | LlamaConfig]:
     if spec in PRESETS:
         return spec, PRESETS[spec]
     if os.path.isfile(spec):
@@ -146,7 +150,7 @@ def build_model(spec: str) -> tuple[str, GPTConfig]:
 def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, seq: int | None = None,
          overrides: dict | None = None, offload: str = "none", budget: str | None = None,
          max_batch: bool = False) -> Plan:
-    """Plan one training step of a GPT preset (or config file) on `world` ranks. `config`: path, mapping or None.
+    """Plan one training step of a GPT or Llama preset (or a GPT config file) on `world` ranks. `config`: path, mapping or None.
     `offload` ("cpu"/"nvme") puts the optimizer state, and at stage 3 the parameter shards, in that tier. `budget`
     ('70GiB', bytes) replaces the config's memory_budget: the planner then chooses which saved activations to
     recompute or offload (plan.activations). `max_batch`: compile with the batch and sequence dims dynamic and find
@@ -185,7 +189,7 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     jobs: list = []
     backend = zbackend.dry_backend(cfg, DistContext.without_group(world), jobs)
     with torch.device("meta"):
-        net = GPT(gcfg)
+        net = Llama(gcfg) if isinstance(gcfg, LlamaConfig) else GPT(gcfg)
         # sizes 0 and 1 would be specialized: a dynamic dim is traced at 2 or more
         idx = torch.zeros(max(micro, 2) if max_batch else micro, max(seq, 2) if max_batch else seq, dtype=torch.long)
     if max_batch:
