@@ -196,6 +196,29 @@ def test_attention_and_the_view_of_its_output_go_out_together(dropout_p):
     torch.testing.assert_close(grads, [x.grad, w.grad, wo.grad])
 
 
+def test_the_budget_error_names_gradients_of_outputs_the_loss_does_not_use():
+    """A forward that returns more than its loss (logits, a Hugging Face model's K/V cache) gets, in the backward,
+    a gradient per output: autograd fills the unused ones with zeros, and MemoryBudgetError names their bytes."""
+    from zcompile.compiler.backend import _tangents_note
+    record = {}
+
+    def partition(joint, inputs, *, num_fwd_outputs, **kw):
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        record["bw"] = bw
+        return fw, bw
+
+    def step(x, w):
+        h = x @ w
+        return h.square().mean(), h.tanh()  # the loss, and a (16, 32) output beside it
+
+    loss, _ = aot_function(step, fw_compiler=nop, bw_compiler=nop, partition_fn=partition)(
+        torch.randn(16, 8), torch.randn(8, 32, requires_grad=True))
+    loss.backward()
+    note = _tangents_note(record["bw"])
+    assert "gradients of 1 forward output(s) 2.00 KiB" in note and "use_cache=False" in note, note
+    assert _tangents_note(torch.fx.symbolic_trace(lambda x: x + 1)) == ""
+
+
 def test_a_budget_at_half_the_peak_is_met_with_the_same_losses():
     """Issue 48's CPU case (inductor, world 2, a 4-layer GPT-like model, 8 x 256 tokens per rank): with
     memory_budget at half the unconstrained measured tensor peak, the measured peak meets it, the losses are the
