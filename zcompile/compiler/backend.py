@@ -94,7 +94,7 @@ def _tangents_note(gm: fx.GraphModule) -> str:
             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > 1]
     if not outs:
         return ""
-    nbytes = sum(n.meta["val"].untyped_storage().nbytes() for n in outs)
+    nbytes = sum(map(recompute.nbytes, outs))
     return (f", gradients of {len(outs)} forward output(s) {liveness.fmt(nbytes)}: one the loss does not use is "
             "zero-filled by autograd, e.g. a Hugging Face model's K/V cache (call it with use_cache=False) or "
             "logits returned beside the loss")

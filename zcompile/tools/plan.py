@@ -150,8 +150,8 @@ def build_model(spec: str) -> tuple[str, GPTConfig | LlamaConfig]:
 def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, seq: int | None = None,
          overrides: dict | None = None, offload: str = "none", budget: str | None = None,
          max_batch: bool = False) -> Plan:
-    """Plan one training step of a GPT or Llama preset (or a GPT config file) on `world` ranks. `config`: path, mapping or None.
-    `offload` ("cpu"/"nvme") puts the optimizer state, and at stage 3 the parameter shards, in that tier. `budget`
+    """Plan one training step of a GPT or Llama preset (or a GPT config file) on `world` ranks. `config`: path,
+    mapping or None. `offload` ("cpu"/"nvme") puts the optimizer state, and at stage 3 the parameter shards, in that tier. `budget`
     ('70GiB', bytes) replaces the config's memory_budget: the planner then chooses which saved activations to
     recompute or offload (plan.activations). `max_batch`: compile with the batch and sequence dims dynamic and find
     the largest micro-batch (at `seq`) and sequence (at `micro`) whose planned step peak fits the budget."""
