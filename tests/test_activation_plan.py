@@ -255,14 +255,16 @@ def test_the_rewrite_recomputes_in_block_regions_with_unchanged_losses():
         run_world(2, workers.activation_budget_run, budget // 8, steps=1, extra=extra)
 
 
-@pytest.mark.parametrize("model, stage, backend", [("llama", 2, "eager"), ("hf-llama", 3, "inductor")])
+@pytest.mark.parametrize("model, stage, backend", [("llama", 2, "eager"), ("llama", 2, "inductor"),
+                                                   ("hf-llama", 3, "inductor")])
 def test_a_budget_at_checkpointings_peak_fits(tmp_path, model, stage, backend):
     """Issue 58: where torch.utils.checkpoint around every block fits, memory_budget at its measured peak fits too
     (bench/activation_budget.py --budget-from checkpoint, world 2): a Llama-style model of our own (RMSNorm,
     rotary SDPA, SwiGLU) and Hugging Face's LlamaForCausalLM (use_cache=False, as its gradient checkpointing sets).
-    The losses are checkpointing's and the planned peak is not below the measured one by more than 5%. (Before the
-    SDPA kernels could be recomputed, and attention's output with the view of it the output projection reads as one
-    decision, the smallest plan for the Hugging Face model was above checkpointing's peak.)"""
+    The losses are checkpointing's and the planned peak is within 5% of the measured one. (Before the SDPA kernels
+    could be recomputed, and attention's output with the view of it the output projection reads as one decision,
+    the smallest plan for the Hugging Face model was above checkpointing's peak; before the plan was checked in
+    inductor's code, our Llama at stage 2 with inductor measured 3.4% above the budget, planned 7.5% below.)"""
     out = tmp_path / "budget.md"
     cmd = [sys.executable, "bench/activation_budget.py", "--model", model, "--stage", str(stage), "--backend", backend,
            "--budget-from", "checkpoint", "--skip-unconstrained", "--rounds", "1", "--steps", "4", "--out", str(out)]
@@ -271,7 +273,7 @@ def test_a_budget_at_checkpointings_peak_fits(tmp_path, model, stage, backend):
     checkpoint, budget = json.load(open(tmp_path / "budget.json"))["rows"]
     assert "error" not in budget, budget
     assert budget["peak_bytes"] <= budget["budget"] == checkpoint["peak_bytes"], (budget, checkpoint["peak_bytes"])
-    assert budget["planned_bytes"] >= 0.95 * budget["peak_bytes"], budget
+    assert 0.95 * budget["peak_bytes"] <= budget["planned_bytes"] <= 1.05 * budget["peak_bytes"], budget
     assert max(abs(a - b) for a, b in zip(budget["losses"], checkpoint["losses"])) < 1e-5
     assert budget["decisions"][0].startswith("activation plan:") and "recompute" in budget["decisions"][0]
 

@@ -207,3 +207,23 @@ def test_max_batch_is_the_largest_batch_a_run_fits_in_the_budget(tmp_path):
     run = run_world(2, workers.allocator_peaks, "gpt", {"stage": 3, "backend": "eager"}, micro=5)[0]
     assert abs(run["planned"] - at[5]) <= 0.05 * at[5], (run["planned"], at[5])
     assert run["measured"]["peak"] <= budget, (run["measured"], budget)
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_step_peak_counts_gradients_as_configured(accumulate):
+    """accumulate_grads (default true): gradients resident beside every graph; false: none in the forward, and the
+    backward's gradient outputs (in its own peak) become them. Parameters a graph does not read are added to its
+    peak; the optimizer step (parameters, gradients, state) is a candidate too, the peak of a step whose graphs
+    hold little without the gradients."""
+    from zcompile.compiler import liveness, planner
+    state = planner.ModelState(param=100, grad=100, optim=200)
+    fw = liveness.Liveness([], peak_bytes=1000, peak_node="mm", input_bytes=110, param_bytes=100)
+    bw = liveness.Liveness([], peak_bytes=1500, peak_node="mm_1", input_bytes=80, param_bytes=60)
+    grads = 100 if accumulate else 0
+    assert planner.step_peak(state, {"forward": fw, "backward": bw}, accumulate) == 200 + 80 + 1500 + 40 + grads
+    kind, terms = planner.peak_terms(state, {"forward": fw, "backward": bw}, accumulate)
+    assert kind == "backward" and dict(terms) == {"optimizer state": 200, "parameters it does not read": 40,
+                                                  **({"gradients": 100} if accumulate else {})}
+    tiny = liveness.Liveness([], peak_bytes=10, peak_node="add", input_bytes=100, param_bytes=100)
+    assert planner.step_peak(state, {"forward": tiny}, accumulate) == (410 if accumulate else 400)
+    assert planner.peak_terms(state, {"forward": tiny}, accumulate)[0] == ("forward" if accumulate else None)

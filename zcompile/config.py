@@ -128,6 +128,10 @@ SCHEMA: dict[str, Any] = {
                          "fraction of device memory", size="budget"),
     "over_budget": Key((str,), "error", "a plan whose step peak exceeds memory_budget: 'error' (default) or 'warn'",
                        choices=("error", "warn")),
+    "accumulate_grads": Key((bool,), True, "memory_budget counts gradients resident while the forward and "
+                            "backward run, beside the backward's new ones, as when they accumulate over micro-batches "
+                            "(false: each step starts without them, optimizer.zero_grad() setting them to None, and "
+                            "the backward's gradient outputs become them)"),
     "plan_activations": Key((bool,), True, "with a memory_budget the step does not fit: recompute saved activations "
                             "in the backward (or offload them to the host, on an accelerator), the cheapest first, "
                             "until it fits"),
@@ -258,6 +262,7 @@ class Config:
     memory_budget: str | float | None = SCHEMA["memory_budget"].default
     over_budget: str = SCHEMA["over_budget"].default
     plan_activations: bool = SCHEMA["plan_activations"].default
+    accumulate_grads: bool = SCHEMA["accumulate_grads"].default
     persist_threshold: str | int = SCHEMA["persist_threshold"].default
     quantize_weights: QuantizeWeights | None = None  # ZeRO++ qwZ
     quantize_gradients: QuantizeGradients | None = None  # ZeRO++ qgZ
@@ -466,7 +471,7 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                  bucket_mb=float(v["bucket_mb"]), prefetch=v["prefetch"],
                  # the two sizes as given: a memory_budget fraction is resolved against the device later
                  memory_budget=raw.get("memory_budget"), over_budget=v["over_budget"],
-                 plan_activations=v["plan_activations"],
+                 plan_activations=v["plan_activations"], accumulate_grads=v["accumulate_grads"],
                  persist_threshold=raw.get("persist_threshold", 0), quantize_weights=qw,
                  quantize_gradients=qg, hpz_partition_size=v["hpz_partition_size"],
                  ranks_per_node=v["ranks_per_node"], offload=offload, tiling=tiling, nonfinite=v["nonfinite"],

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
 from zcompile.compiler import activation_plan, aot_graph_logs, before_trace, block_regions, fake_values, graph_cache
-from zcompile.compiler import recompute, trace_blocks_once
+from zcompile.compiler import recompute, trace_blocks_once, wrapper_memory
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext
@@ -51,6 +51,7 @@ _graph_ids = itertools.count()  # numbers graphs in dumps and messages, per proc
 # _knapsack_partition: the fractions of saved activation memory the partitioner's knapsack is asked to keep, in order
 PARTITION_FRACTIONS = (0.5, 0.25, 0.12, 0.06, 0.03)
 PARTITION_REFINE = 3  # bisection steps between the fraction that fits and the next larger one
+PLAN_ROUNDS = 3  # activation plans compiled to check their peak in inductor's code (plan_activations)
 
 
 def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
@@ -66,6 +67,8 @@ def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
         return buffers[zp]
 
     with fake_mode:
+        for ph in pctx.param_placeholders(gm).values():
+            ph.meta[liveness.PARAMETER] = True
         if pctx.cfg.stage >= Stage.GRADIENTS:
             for i, ph in pctx.param_placeholders(gm).items():
                 zp = pctx.params[i]
@@ -82,6 +85,7 @@ def _set_placeholder_vals(gm: fx.GraphModule, pctx: PassContext) -> None:
             zp = side.zp
             if side.kind == "full":
                 ph.meta["val"] = full_buffer(zp)[: zp.numel].view(zp.shape)
+                ph.meta[liveness.PARAMETER] = True
             else:
                 ph.meta["val"] = torch.empty(zp.secondary_numel, dtype=zp.secondary_dtype, device=pctx.dist.device)
             pctx.own_placeholders.add(ph.name)
@@ -159,7 +163,8 @@ class _GraphCompile:
             gm, pctx = self._split_once(gm, kind, trial, offload_saved, cap)
             if original is None or cap == 0 or (cap is None and not pctx.bucketed):
                 return gm, pctx
-            peak = planner.step_peak(planner.model_state(list(self.params.values())), {kind: liveness.analyze(gm)})
+            peak = planner.step_peak(planner.model_state(list(self.params.values())), {kind: liveness.analyze(gm)},
+                                     self.cfg.accumulate_grads)
             if peak <= budget:
                 return gm, pctx
             # no bucket left to split: none at all (a bucket of one still copies its member through a flat buffer)
@@ -190,15 +195,35 @@ class _GraphCompile:
     def cost_model(self) -> timeline.CostModel:
         return timeline.CostModel.cpu() if self.ctx.device.type == "cpu" else timeline.CostModel()  # meta: a plan
 
-    def trial_peak(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset()) -> int:
+    def trial_peak(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset(),
+                   compiled: bool = False) -> int:
         """The planned step peak of `graphs` (kind -> graph), from the split passes run on copies of them
-        (parameters not yet decided whole count as sharded)."""
+        (parameters not yet decided whole count as sharded). `compiled`: with the copies compiled as they will be,
+        where inductor's code says what it allocates (wrapper_memory; the FX plan with backend eager)."""
         scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
         copies = {kind: fx.GraphModule(gm, placement.copy_graph(gm.graph)) for kind, gm in graphs.items()}
         self.mark_released(copies)
-        lives = {kind: liveness.analyze(self.split_passes(gm, kind, trial=scratch, offload_saved=offload_saved)[0])
+        split = {kind: self.split_passes(gm, kind, trial=scratch, offload_saved=offload_saved)[0]
                  for kind, gm in copies.items()}
-        return planner.step_peak(planner.model_state(list(self.params.values())), lives)
+        lives = {kind: liveness.analyze(gm) for kind, gm in split.items()}
+        if compiled and self.follows_code():
+            with self.timed("trial compile"):
+                lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in split.items()}
+        return planner.step_peak(planner.model_state(list(self.params.values())), lives, self.cfg.accumulate_grads)
+
+    def follows_code(self) -> bool:
+        """Whether the planned peak comes from the compiled code (wrapper_memory): inductor in regions or one
+        graph (nested regions call subgraphs, which it does not follow)."""
+        return self.cfg.backend == "inductor" and self.cfg.regional_compile != "nested"
+
+    def code_liveness(self, gm: fx.GraphModule, kind: str, planned: liveness.Liveness) -> liveness.Liveness:
+        """`planned` with its peak from inductor's code for `gm`, compiled here as commit_graph will (a trial: the
+        compile reports nothing to AOTAutograd; inductor's cache serves the same compile later)."""
+        fakes = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        with backends.reporting_nothing():
+            program = backends.compile_graph(self.cfg.backend, gm, fakes, kind, self.cfg.regional_compile)
+        layout = getattr(program, "layout", None)
+        return wrapper_memory.graph_liveness(gm, planned, layout) if layout else planned
 
     def mark_compiler(self, gm: fx.GraphModule) -> None:
         """Liveness counts what the graph's compiler writes to memory: inductor's kernels keep values in registers."""
@@ -206,10 +231,13 @@ class _GraphCompile:
             liveness.compiled_by_inductor(gm, self.cfg.regional_compile)
 
     def mark_released(self, graphs: dict[str, fx.GraphModule]) -> None:
-        """The backward frees the saved activations only it holds after their last use (liveness.mark_released)."""
+        """The backward frees the saved activations only it holds after their last use (liveness.mark_released),
+        and the gradients of the forward's outputs: AOTAutograd hands them over boxed (measured: the zero-filled
+        gradient of logits the loss does not use is gone by the backward's peak, wrapper_memory's test)."""
         if "forward" in graphs and "backward" in graphs:
-            liveness.mark_released(graphs["backward"], recompute.released_saved(graphs["forward"],
-                                                                                self.num_fwd_outputs))
+            bw = graphs["backward"]
+            tangents = {ph.name for ph in bw.graph.find_nodes(op="placeholder") if ph.name.startswith("tangents")}
+            liveness.mark_released(bw, recompute.released_saved(graphs["forward"], self.num_fwd_outputs) | tangents)
 
     def plan_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut=None
                          ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -217,38 +245,66 @@ class _GraphCompile:
         activations until it fits. First, where `min_cut(fraction)` can partition the whole joint graph again, the
         partitioner's own recompute knapsack (_knapsack_partition); where no fraction fits, zcompile's rewrite
         (_rewrite_activations: per saved activation keep, recompute or offload, the cheapest per byte first), from
-        the knapsack's partition that came closest, then, where that does not fit, from `fw` and `bw`. Returns the
+        the knapsack's partition that came closest, then, where that does not fit, from `fw` and `bw`. The search
+        plans from the FX graphs; with inductor, the plan found is compiled and its peak read from the code
+        (wrapper_memory): where that is over the budget (inductor's fusion keeps more alive than the FX order
+        does), the search runs again for a budget lowered by the excess, up to PLAN_ROUNDS times. Returns the
         forward and backward to go on with."""
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         if budget is None or not self.cfg.plan_activations:
             return fw, bw
-        cost = self.cost_model()
         with self.timed("activation plan"):
             peak = self.trial_peak({"forward": fw, "backward": bw})
-            if peak <= budget:
+            code = self.trial_peak({"forward": fw, "backward": bw}, compiled=True) if peak <= budget else peak
+            if code <= budget:
                 return fw, bw
-            fits, closest = self._knapsack_partition(min_cut, peak, budget) if min_cut else (None, None)
-            if fits is not None:
-                fraction, f, b, planned = fits
-                self.activation_plan = activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs,
-                                                                        fraction, cost, peak, planned, budget)
-            else:
-                for fraction, f, b, start_peak in ([closest] if closest else []) + [(None, fw, bw, peak)]:
-                    chosen, seconds, planned, every = self._rewrite_activations(f, b, budget)
-                    if planned <= budget:
-                        break
-                self.offload_saved = frozenset(c.name for c in chosen if c.action == "offload")
-                self.activation_plan = activation_plan.report(every, chosen, seconds, start_peak, planned, budget)
-                if fraction is not None:  # on the knapsack's partition
-                    self.activation_plan[0] += (f"; from the partitioner's recompute knapsack at "
-                                                f"activation_memory_budget {fraction:.3g} (planned step peak "
-                                                f"{liveness.fmt(peak)} with every saved activation kept)")
-                    self.activation_plan += activation_plan.partition_report(
-                        fw, bw, f, b, self.num_fwd_outputs, fraction, cost, peak, start_peak, budget)
+            originals = [fx.GraphModule(gm, placement.copy_graph(gm.graph)) for gm in (fw, bw)]
+            target = budget - (code - peak)
+            for round_ in range(PLAN_ROUNDS):
+                if round_:  # the rewrite works in place: start again from copies of the partition
+                    fw, bw = (_lazy(fx.GraphModule(g, placement.copy_graph(g.graph))) for g in originals)
+                f, b, planned = self._plan_for(fw, bw, min_cut, peak, target, budget)
+                if not self.follows_code():
+                    break
+                code = self.trial_peak({"forward": f, "backward": b}, self.offload_saved, compiled=True)
+                if code <= budget:
+                    break
+                self.notes.append(f"memory planner: the plan for {liveness.fmt(target)} compiles to a step peak of "
+                                  f"{liveness.fmt(code)} (inductor's code), over memory_budget "
+                                  f"{liveness.fmt(budget)}: planning again for {liveness.fmt(min(target, planned) - (code - budget))}")
+                target = min(target, planned) - (code - budget)
+            if self.follows_code():
+                self.activation_plan[0] += f"; as compiled by inductor: step peak {liveness.fmt(code)} (its code)"
         where = f" (each decision: graph{self.graph_id}_activations.txt)" if self.dump.dir else ""
         self.notes.append(self.activation_plan[0] + where)
         self.dump.text("activations", self.activation_plan)
         return f, b
+
+    def _plan_for(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut, peak: int, target: int, budget: int
+                  ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+        """plan_activations' search for a planned (FX) step peak of at most `target`: the forward and backward
+        chosen and their planned peak, with self.activation_plan and self.offload_saved set."""
+        cost = self.cost_model()
+        self.offload_saved = frozenset()
+        fits, closest = self._knapsack_partition(min_cut, peak, target) if min_cut else (None, None)
+        if fits is not None:
+            fraction, f, b, planned = fits
+            self.activation_plan = activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs,
+                                                                    fraction, cost, peak, planned, budget)
+            return f, b, planned
+        for fraction, f, b, start_peak in ([closest] if closest else []) + [(None, fw, bw, peak)]:
+            chosen, seconds, planned, every = self._rewrite_activations(f, b, target)
+            if planned <= target:
+                break
+        self.offload_saved = frozenset(c.name for c in chosen if c.action == "offload")
+        self.activation_plan = activation_plan.report(every, chosen, seconds, start_peak, planned, budget)
+        if fraction is not None:  # on the knapsack's partition
+            self.activation_plan[0] += (f"; from the partitioner's recompute knapsack at "
+                                        f"activation_memory_budget {fraction:.3g} (planned step peak "
+                                        f"{liveness.fmt(peak)} with every saved activation kept)")
+            self.activation_plan += activation_plan.partition_report(
+                fw, bw, f, b, self.num_fwd_outputs, fraction, cost, peak, start_peak, budget)
+        return f, b, planned
 
     def _knapsack_partition(self, min_cut, peak: int, budget: int) -> tuple:
         """The partitioner's knapsack (`activation_memory_budget`): the largest of PARTITION_FRACTIONS whose
@@ -309,7 +365,7 @@ class _GraphCompile:
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         headroom = None
         if budget is not None and not self.activation_plan:  # memory freed by recomputing is not spent again
-            headroom = max(0, budget - self.trial_peak(graphs))
+            headroom = max(0, budget - self.trial_peak(graphs, compiled=True))
         chosen, why = planner.choose_persistent(undecided, self.cfg.persist_threshold_bytes, headroom)
         for zp in undecided:
             zp.persist_decided = True
@@ -341,10 +397,13 @@ class _GraphCompile:
                 zp.decide_optimizer_tier(offload=False)  # 'auto' without a budget: nothing asks to offload
             return
         lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
+        if self.follows_code():
+            with self.timed("trial compile"):
+                lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in graphs.items()}
         self._note_unbounded_sizes(graphs)
         zps = list(self.params.values())
         state = planner.model_state(zps)
-        peak = planner.step_peak(state, lives)
+        peak = planner.step_peak(state, lives, self.cfg.accumulate_grads)
         auto = [zp for zp in zps if zp.optim_tier == Tier.AUTO]
         if auto:  # offload.optimizer auto: the optimizer state stays on the device if the step fits with it there
             for zp in auto:
@@ -355,20 +414,23 @@ class _GraphCompile:
             for gm in graphs.values():
                 gm.meta.setdefault("zc_notes", []).append(self.notes[-1])
             state = planner.model_state(zps)
-            peak = planner.step_peak(state, lives)
+            peak = planner.step_peak(state, lives, self.cfg.accumulate_grads)
         if peak <= budget:
             return
-        worst = max(lives, key=lambda k: planner.graph_peak(lives[k]))
-        g = lives[worst]
+        worst, terms = planner.peak_terms(state, lives, self.cfg.accumulate_grads)
         msg = (f"{self.cfg.source}: planned step peak {liveness.fmt(peak)} per rank exceeds memory_budget "
-               f"{liveness.fmt(budget)}: gradients {liveness.fmt(state.grad)} + optimizer state "
-               f"{liveness.fmt(state.optim)} + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, batch"
-               + _tangents_note(graphs[worst]) + ") "
-               f"+ transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}"
-               + (f" (with the saved activations, {liveness.fmt(g.saved_bytes)} at the backward's start)"
-                  if g.saved_bytes else "") + ". Offload moves "
-               "state off the device: offload.optimizer (cpu/nvme), offload.params (cpu/nvme, stage 3), "
-               "offload.activations (cpu); tiling splits large linears")
+               f"{liveness.fmt(budget)}: " + " + ".join(f"{what} {liveness.fmt(n)}" for what, n in terms))
+        if worst is None:
+            msg += " (the optimizer step)"
+        else:
+            g = lives[worst]
+            msg += (f" + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, batch"
+                    + _tangents_note(graphs[worst]) + ") "
+                    f"+ transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}"
+                    + (f" (with the saved activations, {liveness.fmt(g.saved_bytes)} at the backward's start)"
+                       if g.saved_bytes else ""))
+        msg += (". Offload moves state off the device: offload.optimizer (cpu/nvme), offload.params (cpu/nvme, "
+                "stage 3), offload.activations (cpu); tiling splits large linears")
         if self.activation_plan:
             msg += (f". This is already the smallest plan the memory planner found ({self.activation_plan[0]}); "
                     f"it needs a memory_budget of at least {liveness.fmt(peak)}")
@@ -551,6 +613,7 @@ class _GraphCompile:
             compiled = backends.compile_graph(self.cfg.backend, gm, fake_inputs, kind, self.cfg.regional_compile)
         if hasattr(compiled, "regions"):
             self.regions[kind] = (compiled.regions, compiled.compiled_regions, compiled.compiled)
+            planned = self.planned[kind] = wrapper_memory.graph_liveness(gm, planned, compiled.layout)
         side = list(pctx.side_inputs)
         sched = collectives.schedule(gm)
         reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]
@@ -628,7 +691,7 @@ def planned_step_peak() -> int:
     is still alive: resident gradients and optimizer state plus a graph's inputs and transients
     (planner.step_peak)."""
     gc.collect()  # a dropped model's parameters and graphs form cycles: free them before counting
-    peaks = [planner.step_peak(planner.model_state(list(job.params.values())), job.planned)
+    peaks = [planner.step_peak(planner.model_state(list(job.params.values())), job.planned, job.cfg.accumulate_grads)
              for job in _COMPILED if job.planned]
     return max(peaks, default=0)
 

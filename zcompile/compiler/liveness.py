@@ -22,6 +22,7 @@ from zcompile.compiler import collectives, inductor_buffers
 
 
 RELEASED = "zc_released"  # placeholder meta: a saved activation the graph frees after its last use
+PARAMETER = "zc_parameter"  # placeholder meta: a parameter's shard or whole buffer (resident between steps)
 INDUCTOR = "zc_inductor"  # graph meta: compiled by inductor, its value whether in regions (compiled_by_inductor)
 
 
@@ -49,6 +50,9 @@ class Liveness:
     peak_node: str
     input_bytes: int
     saved_bytes: int = 0  # of the transients, the saved activations the graph receives and frees (mark_released)
+    live_at: list[int] = dataclasses.field(default_factory=list)  # per node: alive as it runs (outputs allocated)
+    fx_peak_bytes: int | None = None  # where the peak comes from inductor's code (wrapper_memory): the FX plan's
+    param_bytes: int = 0  # of the inputs, parameters' shards and whole buffers
 
 
 def _tensors(val) -> list[torch.Tensor]:
@@ -59,9 +63,15 @@ def _tensors(val) -> list[torch.Tensor]:
     return []
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s storage, a dynamic size as the plan counts it (planned_size)."""
     n = t.untyped_storage().nbytes()
     return planned_size(n) if isinstance(n, torch.SymInt) else int(n)
+
+
+def sizes(t: torch.Tensor) -> list[int]:
+    """`t`'s shape, a dynamic size as the plan counts it (planned_size)."""
+    return [planned_size(d) if isinstance(d, torch.SymInt) else int(d) for d in t.shape]
 
 
 def _declared_max(env, expr) -> int | None:
@@ -150,7 +160,7 @@ def gloo_copy_bytes(node: fx.Node) -> int:
     rec = collectives.record(node)
     if rec is None or rec.op != "reduce_scatter" or not _on_host(node):
         return 0
-    return _nbytes(node.args[0].meta["val"])
+    return storage_bytes(node.args[0].meta["val"])
 
 
 def compiled_by_inductor(gm: fx.GraphModule, regional: bool | str) -> None:
@@ -273,15 +283,17 @@ def _live(nodes, storages_of, size, inputs, host, frees) -> tuple[list, list]:
 
 
 def analyze(gm: fx.GraphModule) -> Liveness:
-    nodes, storages_of, size, inputs, host, frees = _lifetimes(gm, _nbytes)
+    nodes, storages_of, size, inputs, host, frees = _lifetimes(gm, storage_bytes)
     at, after = _live(nodes, storages_of, size, inputs, host, frees)
     peak, peak_node = 0, ""
     for k, n in enumerate(nodes):
         if at[k] > peak:
             peak, peak_node = at[k], n.name
     saved = {k for n in nodes if n.op == "placeholder" and n.meta.get(RELEASED) for k in storages_of[n]} - host
+    params = {k for n in nodes if n.op == "placeholder" and n.meta.get(PARAMETER) for k in storages_of[n]} & inputs
     return Liveness([(n.name, after[k]) for k, n in enumerate(nodes)], peak, peak_node,
-                    sum(size[k] for k in inputs), sum(size[k] for k in saved))
+                    sum(size[k] for k in inputs), sum(size[k] for k in saved), at,
+                    param_bytes=sum(size[k] for k in params))
 
 
 def _size_expr(t: torch.Tensor):

@@ -3,7 +3,9 @@
 Model state per rank assumes fp32 master parameters and an Adam-like optimizer (two fp32 moments per element it
 steps), the ZeRO paper's K=8 bytes of optimizer state per parameter on top of 4 for the parameter and 4 for the
 gradient. The step peak adds a compiled graph's own peak (its inputs, which include the saved activations for the
-backward, plus its transient tensors, from `liveness`) to the resident gradients and optimizer state.
+backward, plus its transient tensors, from `liveness`) to the resident optimizer state, and to the gradients where
+they are resident while the graphs run (accumulated over micro-batches); the optimizer's step holds the parameters,
+their gradients and its state.
 
 With offload, only device-resident bytes count against the budget: `ModelState.param/grad/optim` are what stays on
 the device, `host` and `nvme` what the offload tiers hold (a master copy, moments, shards, their gradients).
@@ -67,10 +69,34 @@ def graph_peak(live: liveness.Liveness) -> int:
     return live.input_bytes + live.peak_bytes
 
 
-def step_peak(state: ModelState, graphs: dict[str, liveness.Liveness]) -> int:
-    """Planned per-rank peak of one training step. Parameters (shards or whole) are graph inputs, so of the model
-    state only gradients and optimizer state are added; conservative: gradients count as alive throughout."""
-    return state.grad + state.optim + max((graph_peak(g) for g in graphs.values()), default=0)
+def _while_running(state: ModelState, live: liveness.Liveness) -> int:
+    """A graph's peak with the parameters it does not read, which stay resident (stage 2 keeps every whole
+    parameter; a backward need not read all of them)."""
+    return graph_peak(live) + max(0, state.param - live.param_bytes)
+
+
+def step_peak(state: ModelState, graphs: dict[str, liveness.Liveness], accumulate: bool = True) -> int:
+    """Planned per-rank peak of one training step: the optimizer state, plus the largest of a graph's peak and the
+    optimizer step's parameters and gradients. Parameters (shards or whole) are graph inputs. Gradients that
+    accumulate (`accumulate`, the config's default) are resident throughout, beside the backward's new ones; a step
+    starting without gradients (zero_grad sets them to None) has none while the forward runs, and the backward's
+    gradient outputs, counted in its peak, become them."""
+    graph = max((_while_running(state, g) for g in graphs.values()), default=0)
+    return state.optim + max(graph + (state.grad if accumulate else 0), state.param + state.grad)
+
+
+def peak_terms(state: ModelState, graphs: dict[str, liveness.Liveness], accumulate: bool = True
+               ) -> tuple[str | None, list[tuple[str, int]]]:
+    """What step_peak adds up where the step peaks: the graph kind there (None: the optimizer step) and the model
+    state beside that graph's own peak, as (what, bytes)."""
+    kind = max(graphs, key=lambda k: _while_running(state, graphs[k]), default=None)
+    terms = [("optimizer state", state.optim)]
+    if kind is None or _while_running(state, graphs[kind]) + (state.grad if accumulate else 0) < \
+            state.param + state.grad:
+        return None, terms + [("parameters", state.param), ("gradients", state.grad)]
+    unread = max(0, state.param - graphs[kind].param_bytes)
+    return kind, (terms + ([("gradients", state.grad)] if accumulate else [])
+                  + ([("parameters it does not read", unread)] if unread else []))
 
 
 def choose_persistent(candidates: list[ShardedParam], threshold_bytes: int, headroom_bytes: int | None
@@ -163,18 +189,19 @@ def choose_activations(options: list[ActivationChoice], peak_of, budget: int) ->
     return first(hi), peak
 
 
-def step_peak_at(state: ModelState, candidates: list, sizes: dict) -> int:
+def step_peak_at(state: ModelState, candidates: list, sizes: dict, accumulate: bool = True) -> int:
     """step_peak from liveness.peak_exprs candidates (all graphs'), at `sizes` (sympy symbol -> value)."""
-    return state.grad + state.optim + max(int(e.xreplace(sizes)) for e in candidates)
+    graph = max(int(e.xreplace(sizes)) for e in candidates)
+    return state.optim + max(graph + (state.grad if accumulate else 0), state.param + state.grad)
 
 
-def largest_fitting(state: ModelState, candidates: list, budget: int, symbol, fixed: dict, limit: int
-                    ) -> tuple[int, int | None, int | None]:
+def largest_fitting(state: ModelState, candidates: list, budget: int, symbol, fixed: dict, limit: int,
+                    accumulate: bool = True) -> tuple[int, int | None, int | None]:
     """The largest value of `symbol` (the others at `fixed`) up to `limit` whose planned step peak fits `budget`:
     (value, its peak, the peak one above it, None at the limit); value 0 where even 1 does not fit. The peak grows
     with every size (no tensor shrinks as a batch or sequence grows), so a doubling then bisection finds it."""
     def peak(v: int) -> int:
-        return step_peak_at(state, candidates, {**fixed, symbol: v})
+        return step_peak_at(state, candidates, {**fixed, symbol: v}, accumulate)
 
     if peak(1) > budget:
         return 0, None, peak(1)

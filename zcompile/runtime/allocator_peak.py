@@ -22,18 +22,20 @@ from torch._C._profiler import _EventType
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import ProfilerActivity, profile
 
-from zcompile.runtime.memory_trace import LiveStorageTracker
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of the distinct CPU storages of every tensor the Python heap references."""
+    """Bytes of CPU memory under the storages of every tensor the Python heap references, each byte once: two
+    storage objects may alias one block (a stage-2 shard's storage over its slice of the whole parameter's)."""
     gc.collect()
     # issubclass(type(...)): isinstance would touch __class__ of every object, some of which warn
-    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu"
-               and not _owns_no_memory(obj)]
-    tracker = LiveStorageTracker()
-    tracker.track(tensors)
-    return tracker.bytes
+    spans = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in gc.get_objects()
+             if issubclass(type(t), torch.Tensor) and t.device.type == "cpu" and not _owns_no_memory(t)}
+    total, end = 0, 0
+    for start, nbytes in sorted(spans):  # the union of the address ranges
+        total += max(0, start + nbytes - max(start, end))
+        end = max(end, start + nbytes)
+    return total
 
 
 def _owns_no_memory(t: torch.Tensor) -> bool:

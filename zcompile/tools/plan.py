@@ -216,7 +216,8 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         for c in sched:
             comm[kind][c["op"]] = comm[kind].get(c["op"], 0) + c["bytes"]
             cross += c.get("cross_bytes", 0)
-    fit = _max_batch(state, graphs, budget_bytes, micro, seq, gcfg.block_size) if max_batch else None
+    fit = _max_batch(state, graphs, budget_bytes, micro, seq, gcfg.block_size,
+                     cfg.accumulate_grads) if max_batch else None
     refresh = sum(zp.padded_numel * zp.dtype.itemsize for zp in zps if zp.keeps_full and zp.stage >= Stage.OPTIMIZER)
     if refresh:
         comm["optimizer_step"] = {"all_gather": refresh}
@@ -228,21 +229,24 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
         graph_peaks={k: {"inputs": v.input_bytes, "transient": v.peak_bytes, "saved": v.saved_bytes,
                          "peak_node": v.peak_node}
                      for k, v in lives.items()},
-        step_peak=planner.step_peak(state, lives), comm_bytes=comm, collectives=counts,
+        step_peak=planner.step_peak(state, lives, cfg.accumulate_grads), comm_bytes=comm, collectives=counts,
         budget=budget_bytes, cross_node_bytes=cross,
         compute_itemsize=cfg.mixed_precision.param_dtype.itemsize, graphs=graphs,
         activations=list(job.activation_plan), max_batch=fit)
 
 
-def _max_batch(state: planner.ModelState, graphs: dict, budget: int, micro: int, seq: int, block_size: int) -> dict:
+def _max_batch(state: planner.ModelState, graphs: dict, budget: int, micro: int, seq: int, block_size: int,
+               accumulate: bool = True) -> dict:
     """The largest micro-batch at `seq` and sequence at `micro` that fit `budget`, from the graphs' peaks as
     expressions in the token input's two dynamic sizes."""
     tokens = next(ph.meta["val"] for ph in graphs["forward"].graph.find_nodes(op="placeholder")
                   if isinstance(ph.meta.get("val"), torch.Tensor) and ph.meta["val"].dtype == torch.long)
     batch, length = (d.node.expr for d in tokens.shape)
     candidates = [e for gm in graphs.values() for e in liveness.peak_exprs(gm)]
-    return {"micro": planner.largest_fitting(state, candidates, budget, batch, {length: seq}, 1 << 20),
-            "seq": planner.largest_fitting(state, candidates, budget, length, {batch: micro}, block_size),
+    return {"micro": planner.largest_fitting(state, candidates, budget, batch, {length: seq}, 1 << 20,
+                                             accumulate),
+            "seq": planner.largest_fitting(state, candidates, budget, length, {batch: micro}, block_size,
+                                           accumulate),
             "micro_at": micro, "seq_at": seq}
 
 

@@ -24,6 +24,7 @@ runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from typing import Callable
 
@@ -288,14 +289,23 @@ def _no_output_strides():
             tc.output_strides = old
 
 
+@dataclasses.dataclass
+class RegionLayout:
+    nodes: list[fx.Node]       # the region's computing nodes, in order
+    inputs: list[fx.Node]      # its inputs, in the order of its compiled code's arguments
+    freed: set[fx.Node]        # the inputs it reads last: the program drops them as it starts
+    code: str | None           # the wrapper code inductor generated (None: run eagerly)
+
+
 class RegionProgram:
     """Runs the compiled regions in order over a list of slots: the graph's inputs first, then every value a region
     hands to a later one. Boxed calling convention (takes a list, clears it)."""
 
     def __init__(self, steps: list, outputs: list, num_slots: int, regions: int, compiled: int,
-                 compiled_regions: int):
+                 compiled_regions: int, layout: list | None = None):
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__ (functools.wraps)
         self.steps, self.outputs, self.num_slots = steps, outputs, num_slots
+        self.layout = layout or []  # per step: its RegionLayout (what wrapper_memory needs of it)
         self.regions, self.compiled = regions, compiled  # how many regions, how many distinct ones were compiled
         self.compiled_regions = compiled_regions  # how many regions run compiled code (the others run eagerly)
 
@@ -353,7 +363,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
         return None
     cache: dict[tuple, Callable] = {}  # compiled regions by key
     eager: dict[tuple, Callable] = {}  # regions run eagerly by key: one module serves every region doing the same
-    steps = []
+    steps, layout = [], []
     with _no_output_strides():
         for r, (key, nodes, inputs, outputs, compiled) in enumerate(planned):
             found = cache if compiled else eager
@@ -364,6 +374,8 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
             mine = set(wanted[r])
             steps.append((fn, [slot[x] for x in inputs], [slot[o] if o in mine else None for o in outputs],
                           frees.get(r, [])))
+            layout.append(RegionLayout(nodes, inputs, {x for x in inputs if last_reader.get(x) == r and x not in kept},
+                                       getattr(fn, "source_code", None) if compiled else None))
     # placeholders nothing reads are dropped at once: no region frees them
     unread = [slot[p] for p in phs if p not in last_reader and p not in kept]
     if unread and steps:
@@ -373,7 +385,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     if tc is not None and tc.output_strides is not None:
         tc.output_strides.extend(tuple(o.meta["val"].stride()) if isinstance(o, fx.Node)
                                  and isinstance(o.meta.get("val"), torch.Tensor) else None for o in graph_outs)
-    return RegionProgram(steps, outputs, len(slot), len(regions), len(cache), sum(c for *_, c in planned))
+    return RegionProgram(steps, outputs, len(slot), len(regions), len(cache), sum(c for *_, c in planned), layout)
 
 
 # A region outside the blocks is compiled when running it op by op writes more than this many times the

@@ -40,7 +40,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
             gm.graph = placement.copy_graph(original)
         _apply(gm, distance)
         live = liveness.analyze(gm)
-        peak = planner.step_peak(state, {pctx.kind: live})
+        peak = planner.step_peak(state, {pctx.kind: live}, pctx.cfg.accumulate_grads)
         if budget is None or peak <= budget or distance == 0:
             break
         distance -= 1

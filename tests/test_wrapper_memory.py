@@ -1,0 +1,105 @@
+"""wrapper_memory: the memory inductor's generated code allocates, against the CPU allocator and by hand."""
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from zcompile.compiler import backends, liveness, wrapper_memory
+from zcompile.compiler.wrapper_memory import Input, simulate
+from zcompile.runtime.allocator_peak import allocator_events, highest_rise
+
+
+def _swiglu_backward(x, w_gate, w_up, w_down, dout):
+    """SwiGLU's backward with its gate and up projections recomputed, as a memory plan that recomputes them runs it:
+    inductor fuses the elementwise work that reads gate and up into one kernel after every matmul it needs."""
+    gate, up = x @ w_gate, x @ w_up
+    h = torch.nn.functional.silu(gate) * up
+    dh = dout @ w_down.t()
+    d_down = h.t() @ dout
+    sig = torch.sigmoid(gate)
+    d_up = dh * gate * sig
+    d_gate = dh * up * sig * (1 + gate * (1 - sig))
+    return x.t() @ d_gate, x.t() @ d_up, d_down, d_gate @ w_gate.t() + d_up @ w_up.t()
+
+
+def _compiled(f, inputs):
+    from torch._inductor.decomposition import select_decomp_table
+    gm = make_fx(f, select_decomp_table(), tracing_mode="fake")(*inputs)  # as AOTAutograd hands it to inductor
+    liveness.compiled_by_inductor(gm, False)
+    program = backends.compile_graph("inductor", gm, list(inputs), "forward", False)
+    return gm, program
+
+
+def test_the_simulated_code_allocates_what_the_allocator_sees():
+    """The most bytes the compiled SwiGLU backward allocates above its inputs, simulated from its wrapper code,
+    equals the CPU allocator's highest rise while it runs (its inputs stay referenced by the caller here), and is
+    above the FX plan's, which frees one op's values at a time."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(512, 64), torch.randn(64, 192), torch.randn(64, 192), torch.randn(192, 64),
+              torch.randn(512, 64)]
+    gm, program = _compiled(_swiglu_backward, inputs)
+    (region,) = program.layout
+    assert region.code is not None and "def call" in region.code
+    by_name = dict(zip((p.name for p in gm.graph.find_nodes(op="placeholder")), inputs))
+    held = [Input(StorageWeakRef(x.untyped_storage()), x.untyped_storage().nbytes(), x.dtype, False, tuple(x.shape))
+            for x in (by_name[n.name] for n in region.inputs)]
+    code = simulate(region.code, held)
+    program(list(inputs))  # warm: the first call loads the kernels
+    measured = min(highest_rise(allocator_events(lambda: program(list(inputs)))) for _ in range(3))
+    assert abs(code.delta - measured) <= 1024, (code.delta, measured, code.line)
+    fx_plan = liveness.analyze(gm)
+    assert code.delta > fx_plan.peak_bytes, (code.delta, fx_plan.peak_bytes)
+    planned = wrapper_memory.graph_liveness(gm, fx_plan, program.layout)
+    assert planned.peak_bytes == code.delta and planned.fx_peak_bytes == fx_plan.peak_bytes
+    assert "inductor's code" in planned.peak_node
+
+
+MiB = 2**20
+_CODE = '''
+class Runner:
+    def call(self, args):
+        in0, in1, in2 = args
+        args.clear()
+        assert_size_stride(in0, (256, 1024), (1024, 1), 'input')
+        buf0 = empty_strided_cpu((256, 1024), (1024, 1), torch.float32)
+        cpp_fused_0(in0, buf0)
+        del in0
+        buf1 = reinterpret_tensor(buf0, (1024, 256), (256, 1), 0); del buf0  # reuse
+        buf2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(in1, in1, in1, 0.0, True)
+        buf3 = buf2[0]
+        assert_size_stride(buf3, (1, 1, 512, 512), (262144, 262144, 512, 1), 'op')
+        buf4 = buf2[1]
+        assert_size_stride(buf4, (1, 1, 512), (512, 512, 1), 'op')
+        del buf2
+        buf5 = torch.ops._c10d_functional.reduce_scatter_tensor.default(reinterpret_tensor(buf1, (262144, ), (1, ), 0), 'sum', 2, '0')
+        assert_size_stride(buf5, (131072, ), (1, ), 'op')
+        del buf1
+        torch.ops._c10d_functional.wait_tensor.default(buf5)
+        buf6 = empty_strided_cpu((ks0, 2), (2, 1), torch.float32)
+        return (buf3, buf4, buf5, buf6, )
+'''
+
+
+def _inputs(in0_freeable: bool):
+    return [Input("x", MiB, torch.float32, in0_freeable, (256, 1024)),
+            Input("q", MiB, torch.float32, False, (1, 1, 512, 512)), Input(("size", "s"), 0, torch.int64, False,
+                                                                              value=3)]
+
+
+def test_the_simulation_follows_reuse_fallback_results_and_frees():
+    """By hand: buf0 (1 MiB) reuses nothing; its reuse as buf1 allocates nothing; SDPA's two results are sized by
+    their asserts (1 MiB + 2 KiB); the reduce-scatter's result (0.5 MiB) and gloo's copy of its input (1 MiB) are
+    alive until the wait. in0 freed at its `del` when the code holds the only reference."""
+    held = simulate(_CODE.replace("ks0", "in2"), _inputs(False))
+    assert held.delta == MiB + MiB + 2048 + MiB // 2 + MiB, held
+    assert held.line.startswith("assert_size_stride(buf5"), held.line
+    freed = simulate(_CODE.replace("ks0", "in2"), _inputs(True))
+    assert freed.delta == held.delta - MiB, freed
+
+
+def test_code_it_cannot_follow_gives_no_peak():
+    """A size from a symbol the code never defines, or an allocation of a form not known, gives None: the FX plan
+    stands."""
+    assert simulate(_CODE, _inputs(False)) is None  # ks0
+    odd = _CODE.replace("buf0 = empty_strided_cpu", "buf0 = torch.empty_like(in0); _ = empty_strided_cpu")
+    assert simulate(odd.replace("ks0", "in2"), _inputs(False)) is None
+    assert simulate("def f():\n    pass\n", []) is None
