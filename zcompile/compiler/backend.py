@@ -37,6 +37,7 @@ from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
 from zcompile.compiler import activation_plan, aot_graph_logs, before_trace, block_regions, fake_values, graph_cache
 from zcompile.compiler import recompute, trace_blocks_once, wrapper_memory
+from zcompile.compiler.backends import regions
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
 from zcompile.runtime.dist_context import DistContext
@@ -220,7 +221,7 @@ class _GraphCompile:
         """`planned` with its peak from inductor's code for `gm`, compiled here as commit_graph will (a trial: the
         compile reports nothing to AOTAutograd; inductor's cache serves the same compile later)."""
         fakes = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        with backends.reporting_nothing():
+        with regions.no_output_strides():
             program = backends.compile_graph(self.cfg.backend, gm, fakes, kind, self.cfg.regional_compile)
         layout = getattr(program, "layout", None)
         return wrapper_memory.graph_liveness(gm, planned, layout) if layout else planned

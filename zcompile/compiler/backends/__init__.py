@@ -2,7 +2,6 @@
 graph, or one region per block with each distinct region compiled once: backends/regions.py)."""
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch.fx as fx
@@ -38,19 +37,3 @@ def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str
                 return program
         return compile_regions(gm, example_inputs, one, by_block=False)
     raise ValueError(f"unknown graph backend {name!r}; expected 'eager' or 'inductor'")
-
-
-@contextlib.contextmanager
-def reporting_nothing():
-    """A trial compile (the memory planner's): inductor reports nothing of it to AOTAutograd's tracing context
-    (output strides), which expects one report per graph it compiles."""
-    from torch._guards import TracingContext
-    tc = TracingContext.try_get()
-    old = tc.output_strides if tc is not None else None
-    if tc is not None:
-        tc.output_strides = None
-    try:
-        yield
-    finally:
-        if tc is not None:
-            tc.output_strides = old

@@ -276,8 +276,9 @@ def _layout(v) -> tuple:
 
 
 @contextlib.contextmanager
-def _no_output_strides():
-    """Each region's compile would report its output strides to AOTAutograd, which expects one report per graph."""
+def no_output_strides():
+    """Each region's compile would report its output strides to AOTAutograd, which expects one report per graph
+    (and a trial compile, the memory planner's, none)."""
     tc = TracingContext.try_get()
     old = tc.output_strides if tc is not None else None
     if tc is not None:
@@ -364,7 +365,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     cache: dict[tuple, Callable] = {}  # compiled regions by key
     eager: dict[tuple, Callable] = {}  # regions run eagerly by key: one module serves every region doing the same
     steps, layout = [], []
-    with _no_output_strides():
+    with no_output_strides():
         for r, (key, nodes, inputs, outputs, compiled) in enumerate(planned):
             found = cache if compiled else eager
             if key not in found:
