@@ -40,7 +40,8 @@ def test_the_simulated_code_allocates_what_the_allocator_sees():
     (region,) = program.layout
     assert region.code is not None and "def call" in region.code
     by_name = dict(zip((p.name for p in gm.graph.find_nodes(op="placeholder")), inputs))
-    held = [Input(StorageWeakRef(x.untyped_storage()), x.untyped_storage().nbytes(), x.dtype, False, tuple(x.shape))
+    held = [Input(("storage", StorageWeakRef(x.untyped_storage())), x.untyped_storage().nbytes(), x.dtype, False,
+                  tuple(x.shape))
             for x in (by_name[n.name] for n in region.inputs)]
     code = simulate(region.code, held)
     program(list(inputs))  # warm: the first call loads the kernels
@@ -79,10 +80,14 @@ class Runner:
 '''
 
 
+_X, _Q = torch.empty(256, 1024), torch.empty(1, 1, 512, 512)
+
+
 def _inputs(in0_freeable: bool):
-    return [Input("x", MiB, torch.float32, in0_freeable, (256, 1024)),
-            Input("q", MiB, torch.float32, False, (1, 1, 512, 512)), Input(("size", "s"), 0, torch.int64, False,
-                                                                              value=3)]
+    """Storage keys as graph_liveness makes them, beside a size argument's (keys of two kinds in one dict)."""
+    return [Input(("storage", StorageWeakRef(_X.untyped_storage())), MiB, torch.float32, in0_freeable, (256, 1024)),
+            Input(("storage", StorageWeakRef(_Q.untyped_storage())), MiB, torch.float32, False, (1, 1, 512, 512)),
+            Input(("size", "s"), 0, torch.int64, False, value=3)]
 
 
 def test_the_simulation_follows_reuse_fallback_results_and_frees():

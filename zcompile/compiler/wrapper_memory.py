@@ -26,7 +26,7 @@ from zcompile.compiler import liveness
 _CALL = re.compile(r"^(\s*)def call\(.*args\):\s*$")
 _UNPACK = re.compile(r"^([\w, ]+?),? = args$")
 _ALLOC = re.compile(r"^(\w+) = empty_strided(?:_\w+)?\((\(.*?\)), (\(.*?\)), (?:dtype=)?torch\.(\w+)")
-_VIEW = re.compile(r"^(\w+) = reinterpret_tensor\((\w+), .*?\)(?:; del (\w+))?\s*# (?:alias|reuse)$")
+_VIEW = re.compile(r"^(\w+) = reinterpret_tensor\((\w+), .*?\)(?:; del (\w+))?(?:\s*# (?:alias|reuse))?$")
 _RENAME = re.compile(r"^(\w+) = (\w+); del (\w+)\s*# reuse$")
 _ITEM = re.compile(r"^(\w+) = (\w+)\[(\d+)\]$")
 _OP = re.compile(r"^(\w+) = ((?:torch\.ops|extern_kernels|aten)\.[\w.]+)\((.*)\)$")
@@ -40,7 +40,7 @@ _VIEW_ARG = re.compile(r"^reinterpret_tensor\((\w+), (\(.*?\)), (\(.*?\))")
 
 @dataclasses.dataclass(frozen=True)
 class Input:
-    key: object           # the storage (inputs on one storage share it)
+    key: tuple            # the storage (inputs on one storage share it), as a tuple: ("storage", StorageWeakRef)
     nbytes: int
     dtype: torch.dtype
     freeable: bool        # the code's `del` frees it (no reference outside the call)
@@ -97,9 +97,8 @@ class _Sim:
             self.refs[x.key] = self.refs.get(x.key, 0) + 1
             if x.value is not None:
                 self.symbols[name] = x.value
-        for x in inputs:  # a storage any input holds from outside stays
-            if x.freeable and all(y.freeable for y in inputs if y.key == x.key):
-                self.counted.add(x.key)
+        held = {x.key for x in inputs if not x.freeable}  # a storage any input holds from outside stays
+        self.counted |= {x.key for x in inputs if x.key not in held}
 
     def eval(self, text: str):
         return eval(text, {"__builtins__": {}}, self.symbols)
@@ -238,7 +237,8 @@ def _inputs(layout, by_name: dict[str, fx.Node]) -> list[Input] | None:
         stored = node.meta.get("val") if isinstance(node.meta.get("val"), torch.Tensor) else val
         held = node.op == "placeholder" and not node.meta.get(liveness.RELEASED)
         on_device = node.meta.get("zc_tier") not in ("cpu", "nvme")
-        out.append(Input(StorageWeakRef(stored.untyped_storage()), liveness.storage_bytes(stored) if on_device else 0,
+        out.append(Input(("storage", StorageWeakRef(stored.untyped_storage())),
+                         liveness.storage_bytes(stored) if on_device else 0,
                          val.dtype, x in layout.freed and not held and on_device, tuple(liveness.sizes(val))))
     return out
 
