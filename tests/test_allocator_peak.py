@@ -42,7 +42,8 @@ def test_planner_meets_the_measured_inductor_peak_and_smaller_buckets_lower_it()
     """The planned peak, from inductor's code, is at most 5% below the measured one and at most 20% above: the
     gradients count as resident through the step (accumulate_grads, the default), 17% of this small model's peak,
     which a step starting without them is not (without them the plan read 1.4% below at one gather per parameter
-    and 0.8% above at 25 MiB buckets, 2026-11-29). Lowest of 5 steps: a 20 KiB block freed off the main thread went unseen in 6 of 20 steps here."""
+    and 0.8% above at 25 MiB buckets, 2026-11-29). Lowest of 5 steps: a 20 KiB block freed off the main thread
+    went unseen in 6 of 20 steps here."""
     base = {"stage": 3, "backend": "inductor", "prefetch": 0, "regional_compile": False}
     peaks = {}
     for mb in (25, 0):

@@ -233,8 +233,9 @@ class _GraphCompile:
 
     def mark_released(self, graphs: dict[str, fx.GraphModule]) -> None:
         """The backward frees the saved activations only it holds after their last use (liveness.mark_released),
-        and the gradients of the forward's outputs: AOTAutograd hands them over boxed (measured: the zero-filled
-        gradient of logits the loss does not use is gone by the backward's peak, wrapper_memory's test)."""
+        and the gradients of the forward's outputs: AOTAutograd hands them over boxed (measured on
+        bench/activation_budget.py's Llama: the zero-filled gradient of the logits beside the loss, 2 MiB, is gone
+        by the backward's peak)."""
         if "forward" in graphs and "backward" in graphs:
             bw = graphs["backward"]
             tangents = {ph.name for ph in bw.graph.find_nodes(op="placeholder") if ph.name.startswith("tangents")}
@@ -259,7 +260,8 @@ class _GraphCompile:
             code = self.trial_peak({"forward": fw, "backward": bw}, compiled=True) if peak <= budget else peak
             if code <= budget:
                 return fw, bw
-            originals = [fx.GraphModule(gm, placement.copy_graph(gm.graph)) for gm in (fw, bw)]
+            originals = [fx.GraphModule(gm, placement.copy_graph(gm.graph)) for gm in (fw, bw)
+                         ] if self.follows_code() else []
             target = budget - (code - peak)
             for round_ in range(PLAN_ROUNDS):
                 if round_:  # the rewrite works in place: start again from copies of the partition
@@ -270,10 +272,11 @@ class _GraphCompile:
                 code = self.trial_peak({"forward": f, "backward": b}, self.offload_saved, compiled=True)
                 if code <= budget:
                     break
+                lower = min(target, planned) - (code - budget)  # below this plan's FX peak: another plan
                 self.notes.append(f"memory planner: the plan for {liveness.fmt(target)} compiles to a step peak of "
                                   f"{liveness.fmt(code)} (inductor's code), over memory_budget "
-                                  f"{liveness.fmt(budget)}: planning again for {liveness.fmt(min(target, planned) - (code - budget))}")
-                target = min(target, planned) - (code - budget)
+                                  f"{liveness.fmt(budget)}: planning again for {liveness.fmt(lower)}")
+                target = lower
             if self.follows_code():
                 self.activation_plan[0] += f"; as compiled by inductor: step peak {liveness.fmt(code)} (its code)"
         where = f" (each decision: graph{self.graph_id}_activations.txt)" if self.dump.dir else ""
