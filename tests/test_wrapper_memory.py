@@ -80,13 +80,10 @@ class Runner:
 '''
 
 
-_X, _Q = torch.empty(256, 1024), torch.empty(1, 1, 512, 512)
-
-
-def _inputs(in0_freeable: bool):
+def _inputs(in0_freeable: bool, x: torch.Tensor, q: torch.Tensor):
     """Storage keys as graph_liveness makes them, beside a size argument's (keys of two kinds in one dict)."""
-    return [Input(("storage", StorageWeakRef(_X.untyped_storage())), MiB, torch.float32, in0_freeable, (256, 1024)),
-            Input(("storage", StorageWeakRef(_Q.untyped_storage())), MiB, torch.float32, False, (1, 1, 512, 512)),
+    return [Input(("storage", StorageWeakRef(x.untyped_storage())), MiB, torch.float32, in0_freeable, (256, 1024)),
+            Input(("storage", StorageWeakRef(q.untyped_storage())), MiB, torch.float32, False, (1, 1, 512, 512)),
             Input(("size", "s"), 0, torch.int64, False, value=3)]
 
 
@@ -94,17 +91,19 @@ def test_the_simulation_follows_reuse_fallback_results_and_frees():
     """By hand: buf0 (1 MiB) reuses nothing; its reuse as buf1 allocates nothing; SDPA's two results are sized by
     their asserts (1 MiB + 2 KiB); the reduce-scatter's result (0.5 MiB) and gloo's copy of its input (1 MiB) are
     alive until the wait. in0 freed at its `del` when the code holds the only reference."""
-    held = simulate(_CODE.replace("ks0", "in2"), _inputs(False))
+    x, q = torch.empty(256, 1024), torch.empty(1, 1, 512, 512)  # local: a module-level tensor stays on the heap
+    held = simulate(_CODE.replace("ks0", "in2"), _inputs(False, x, q))
     assert held.delta == MiB + MiB + 2048 + MiB // 2 + MiB, held
     assert held.line.startswith("assert_size_stride(buf5"), held.line
-    freed = simulate(_CODE.replace("ks0", "in2"), _inputs(True))
+    freed = simulate(_CODE.replace("ks0", "in2"), _inputs(True, x, q))
     assert freed.delta == held.delta - MiB, freed
 
 
 def test_code_it_cannot_follow_gives_no_peak():
     """A size from a symbol the code never defines, or an allocation of a form not known, gives None: the FX plan
     stands."""
-    assert simulate(_CODE, _inputs(False)) is None  # ks0
+    x, q = torch.empty(256, 1024), torch.empty(1, 1, 512, 512)
+    assert simulate(_CODE, _inputs(False, x, q)) is None  # ks0
     odd = _CODE.replace("buf0 = empty_strided_cpu", "buf0 = torch.empty_like(in0); _ = empty_strided_cpu")
-    assert simulate(odd.replace("ks0", "in2"), _inputs(False)) is None
+    assert simulate(odd.replace("ks0", "in2"), _inputs(False, x, q)) is None
     assert simulate("def f():\n    pass\n", []) is None
