@@ -54,7 +54,8 @@ class CodePeak:
     line: str             # the code line that allocated at that point
 
 
-def storage_bytes(sizes, strides, itemsize: int) -> int:
+def _strided_bytes(sizes, strides, itemsize: int) -> int:
+    """Bytes a tensor of these sizes and strides spans (what empty_strided allocates)."""
     if any(s == 0 for s in sizes):
         return 0
     return (1 + sum((s - 1) * st for s, st in zip(sizes, strides))) * itemsize
@@ -103,6 +104,10 @@ class _Sim:
     def eval(self, text: str):
         return eval(text, {"__builtins__": {}}, self.symbols)
 
+    def span(self, sizes: str, strides: str, itemsize: int) -> int:
+        """_strided_bytes of the code's size and stride tuples."""
+        return _strided_bytes(self.eval(sizes), self.eval(strides), itemsize)
+
     def alloc(self, name: str, nbytes: int, line: str) -> None:
         key = ("buf", name, len(self.size))
         self.storage[name], self.size[key], self.refs[key] = key, nbytes, 1
@@ -135,7 +140,7 @@ class _Sim:
         """Bytes of a call's first argument: a named tensor's storage or a reinterpret_tensor view of one."""
         m = _VIEW_ARG.match(args.strip())
         if m and m.group(1) in self.storage:
-            return storage_bytes(self.eval(m.group(2)), self.eval(m.group(3)), self.dtype[m.group(1)].itemsize)
+            return self.span(m.group(2), m.group(3), self.dtype[m.group(1)].itemsize)
         m = _FIRST_ARG.match(args.strip())
         return self.size[self.storage[m.group(1)]] if m and m.group(1) in self.storage else 0
 
@@ -143,7 +148,7 @@ class _Sim:
         """Follow one line; False where it is of a form that changes memory and is not understood."""
         if m := _ALLOC.match(line):
             dtype = getattr(torch, m.group(4))
-            self.alloc(m.group(1), storage_bytes(self.eval(m.group(2)), self.eval(m.group(3)), dtype.itemsize), line)
+            self.alloc(m.group(1), self.span(m.group(2), m.group(3), dtype.itemsize), line)
             self.dtype[m.group(1)] = dtype
         elif m := _VIEW.match(line):
             self.alias(m.group(1), m.group(2))
@@ -168,7 +173,7 @@ class _Sim:
             if name in self.pending:
                 dtype = self.pending.pop(name)
                 self.tuples.pop(name, None)
-                self.alloc(name, storage_bytes(self.eval(m.group(2)), self.eval(m.group(3)), dtype.itemsize), line)
+                self.alloc(name, self.span(m.group(2), m.group(3), dtype.itemsize), line)
                 self.dtype[name] = dtype
                 if name in self.copies:  # gloo's copy of the input, held to the wait
                     nbytes = self.copies[name]
