@@ -4,8 +4,8 @@
 #   run(command="bash bench/gpu_check.sh llama tests", timeout_s=570)  # a chosen subset, in this order
 # Parts: gpt2-124M (16 x 1024 tokens), gpt2-774M (8 x 1024), llama (Llama-style 1B, 8 x 1024), nested (GPT-2 124M:
 # plain torch.compile, zcompile's default regions and regional_compile 'nested', which decides that default),
-# offload (GPT-2 774M: zcompile without offload, with the optimizer on the host, and with its update delayed one
-# step, issue 57), cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
+# offload (GPT-2 774M: zcompile without offload, with the optimizer on the host, with its update delayed one
+# step, and with each bucket updated during the backward, issue 57), cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
 # (tests/test_gpu.py). Each workload part is bench/workload.py with plain torch.compile, FSDP2 + torch.compile,
 # zcompile stage 3 and zcompile with the optimizer on the host, one system after the other, each under its own
 # timeout, the table rewritten as each finishes; each system's steps are profiled (torch.profiler table, and the
@@ -42,7 +42,7 @@ for part in $parts; do
         nested) workload gpt2-124M-nested 100 --model gpt2-124M --micro 16 --seq 1024 \
                    --systems torch_compile,zcompile_z3,zcompile_z3_nested --tag workload-gpt2-124M-nested ;;
         offload) workload gpt2-774M-offload 150 --model gpt2-774M --micro 8 --seq 1024 \
-                   --systems zcompile_z3,zcompile_z3_offload,zcompile_z3_offload_delayed \
+                   --systems zcompile_z3,zcompile_z3_offload,zcompile_z3_offload_delayed,zcompile_z3_offload_in_backward \
                    --tag workload-gpt2-774M-offload ;;
         cpu-adam)  # the host's update rate against its memory bandwidth (issue 57), 100M and 1B elements
             timeout 300 python bench/cpu_adam_rate.py --sizes 100M,1B --out "$OUT" > "$OUT/cpu-adam.txt" 2>&1

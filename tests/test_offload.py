@@ -101,6 +101,41 @@ def test_zero_grad_without_a_step_drops_the_gradients(offload):
         assert out["same"], out
 
 
+@pytest.mark.parametrize("stage, backend", [(3, "eager"), (3, "inductor"), (2, "inductor")])
+def test_update_in_backward_steps_each_bucket_during_the_backward_and_equals_the_step(stage, backend):
+    """Issue 57: offload.update_in_backward. From the second step on, every bucket's gradient shards reach CPUAdam
+    during the backward, right after their reduce-scatter, and a bucket's update starts before the backward ends
+    (CPUAdam's timeline); losses and parameters are exactly those of the same compile path stepping everything in
+    optimizer.step(). The first step, whose optimizer is not known yet, steps in optimizer.step()."""
+    for out in run_world(2, workers.update_in_backward, {"stage": stage, "backend": backend}, 3):
+        assert out["losses"] == out["ref_losses"] and out["same"], out["max_diff"]
+        assert not any(event.startswith("bucket") for event, step, _ in out["timeline"] if step == 1)
+        overlapped = []
+        for step in (2, 3):
+            events = [(event, t) for event, s, t in out["timeline"] if s == step]
+            end = next(t for event, t in events if event == "backward done")
+            handed = [t for event, t in events if event == "bucket handed over"]
+            assert len(handed) == 5 and max(handed) < end, events  # gpt3: 3 blocks, embeddings, final norm
+            overlapped.append(min(t for event, t in events if event == "bucket update started") < end)
+        assert any(overlapped), out["timeline"]  # (any: the thread may be scheduled late on a busy machine)
+
+
+@pytest.mark.parametrize("misuse, match", [
+    ("clip", "gradient of parameter .* changed between the backward and optimizer.step"),
+    ("zcompile_clip", "gradient of parameter .* changed between the backward and optimizer.step"),
+    ("lr", r"lr \(0.001 -> 0.0005\) changed between the backward and optimizer.step"),
+    ("zero_grad", "does not hold the gradient that backward made"),
+    ("accumulate", "a forward ran before optimizer.step\\(\\) took the update"),
+    ("torch_adamw", "only zcompile.CPUAdam steps gradient buckets during the backward"),
+])
+def test_update_in_backward_refuses_what_would_make_its_update_wrong(misuse, match):
+    """What changes gradients or hyper-parameters between the backward and optimizer.step() (torch's and
+    zcompile's clipping, an lr set late, zero_grad, gradient accumulation) fails at the step or the next forward
+    instead of training on an update made with stale values; so does an optimizer that cannot step buckets."""
+    with pytest.raises(WorkerFailed, match=match):
+        run_world(2, workers.update_in_backward_misuse, misuse)
+
+
 def test_delayed_update_needs_cpu_adam():
     with pytest.raises(WorkerFailed, match="only zcompile.CPUAdam runs its update beside the next step"):
         run_world(2, workers.delayed_update_with_torch_adamw)
@@ -240,6 +275,9 @@ def test_nvme_files_are_atomic_and_checked(tmp_path, monkeypatch):
     ({"offload": {"optimizer": "auto", "params": "cpu"}}, "'offload.optimizer' is 'auto'"),
     ({"offload": {"delayed_update": True}}, "'offload.delayed_update' needs offload.optimizer cpu"),
     ({"offload": {"optimizer": "cpu", "params": "cpu", "delayed_update": True}}, "and offload.params none"),
+    ({"offload": {"update_in_backward": True}}, "'offload.update_in_backward' needs offload.optimizer cpu"),
+    ({"offload": {"optimizer": "cpu", "update_in_backward": True, "delayed_update": True}}, "choose one"),
+    ({"offload": {"optimizer": "cpu", "update_in_backward": True}, "nonfinite": "skip"}, "'nonfinite' is 'skip'"),
     ({"offload": {"optimizer": "cpu", "params": "cpu"}, "pipeline": ["tag_param_recompute", "shard_params",
       "reduce_grads"]}, "lacks the offload_params pass"),
 ])

@@ -15,7 +15,8 @@ from tests.pass_graphs import call, context, node, ops, records, trace
 from zcompile.compiler import collectives
 from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_grads,
                                       offload_params, prefetch, quantize_gradients, quantize_weights, reduce_grads,
-                                      secondary_partition, shard_params, tag_param_recompute, tile_linears)
+                                      secondary_partition, shard_params, tag_param_recompute, tile_linears,
+                                      update_in_backward)
 
 GATHER = ["new_empty", "all_gather_into_tensor_out", "wait_tensor"]
 
@@ -380,6 +381,40 @@ def test_offload_grads_alone_copies_host_parameters_gradients_and_leaves_the_res
         other = context(cfg, kind, {0: (6, 4), 1: (6, 6)}, 3)
         other.dist = dataclasses.replace(other.dist, device=torch.device(device))
         assert "to_host" not in ops(offload_grads.run(_bw_graph(), other)), (kind, device)
+
+
+def _four_grads_bw(x, h, tangents_1):
+    t2 = tangents_1 * 2
+    return (torch.mm(tangents_1.t(), x), torch.mm(tangents_1.t(), h), torch.mm(t2.t(), x), torch.mm(t2.t(), h), None)
+
+
+def test_update_in_backward_hands_each_bucket_over_right_after_its_reduce_scatter():
+    """The split pipeline in its order, two buckets of two parameters: bucket_collectives cuts every member out of
+    its bucket at the end of the graph; the pass moves the first bucket's slices up to right after its wait and
+    hands them over there (one grads_ready naming both), before the second bucket's reduce-scatter is issued. Off,
+    or for a forward graph: no call."""
+    from zcompile.compiler.passes import run_phase
+    wait_op, ready = torch.ops._c10d_functional.wait_tensor.default, torch.ops.zcompile.grads_ready.default
+    shapes = {0: (6, 4), 1: (6, 6), 2: (6, 4), 3: (6, 6)}
+    cfg = {"stage": 3, "bucket_mb": 250 / 2**20, "offload": {"optimizer": "cpu", "update_in_backward": True}}
+    pctx = context(cfg, "backward", shapes, 5)
+    gm = run_phase("split", trace(_four_grads_bw, (3, 4), (3, 6), (3, 6)), pctx)
+    order = list(gm.graph.nodes)
+    out = list(gm.graph.output_node().args[0])
+    calls = [n for n in order if n.target is ready]
+    assert [c.args[1] for c in calls] == [[pctx.params[0].key, pctx.params[1].key],
+                                          [pctx.params[2].key, pctx.params[3].key]]
+    for c, members in zip(calls, ((0, 1), (2, 3))):
+        assert c.args[0] == [out[i] for i in members]
+        wait = out[members[0]].args[0]
+        assert wait.target is wait_op and all(out[i].args[0] is wait for i in members)
+        assert order.index(c) == order.index(wait) + 3  # the wait, the two slices, the hand-over
+    second_issue = [n for n in order if collectives.is_op(n, "reduce_scatter")][1]
+    assert order.index(calls[0]) < order.index(second_issue)
+    for off_cfg, kind in ((dict(cfg, offload={"optimizer": "cpu"}), "backward"), (cfg, "forward")):
+        other = context(off_cfg, kind, {0: (6, 4), 1: (6, 6)}, 3)
+        graph = _bw_graph() if kind == "backward" else trace(_two_linears_fw, (6, 4), (6, 6), (3, 4))
+        assert "grads_ready" not in ops(update_in_backward.run(graph, other)), kind
 
 
 def test_a_phase_whose_pass_breaks_the_graph_fails_naming_the_passes(monkeypatch):

@@ -779,3 +779,52 @@ def zero_grad_without_a_step(rank: int, world: int, offload: dict) -> dict:
             opt.zero_grad()
         out.append({k: v.cpu() for k, v in zcompile.full_state_dict(model).items()})
     return {"same": all(torch.equal(out[0][k], out[1][k]) for k in out[0])}
+
+
+def update_in_backward(rank: int, world: int, config: dict, steps: int = 4, name: str = "gpt3") -> dict:
+    """offload.update_in_backward against the same compile path with the update inside optimizer.step(): losses,
+    parameters and CPUAdam's timeline (whose bucket updates start during the backward, from the second step on)."""
+    device = zcompile.runtime.dist_context.DistContext.current().device
+    runs = []
+    for in_backward in (True, False):
+        reset_dynamo()
+        offload = {"optimizer": "cpu", "update_in_backward": in_backward}
+        model = torch.compile(build_model(name).to(device), backend="zero",
+                              options={"config": dict(config, offload=offload)})
+        opt = zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
+        losses = []
+        for step in range(steps):
+            loss = loss_of(model, name, rank_slice(global_batch(step, world), rank, world).to(device))
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        runs.append({"losses": losses, "timeline": list(opt.timeline),
+                     "params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}})
+    got, ref = runs
+    return {"losses": got["losses"], "ref_losses": ref["losses"], "timeline": got["timeline"],
+            "same": all(torch.equal(got["params"][k], ref["params"][k]) for k in ref["params"]),
+            "max_diff": max((got["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"])}
+
+
+def update_in_backward_misuse(rank: int, world: int, misuse: str) -> None:
+    """A training loop that changes gradients or hyper-parameters behind offload.update_in_backward's back."""
+    device = zcompile.runtime.dist_context.DistContext.current().device
+    reset_dynamo()
+    model = torch.compile(build_model("gpt").to(device), backend="zero", options={"config": {
+        "stage": 3, "backend": "eager", "offload": {"optimizer": "cpu", "update_in_backward": True}}})
+    opt = (torch.optim.AdamW(model.parameters(), lr=LR) if misuse == "torch_adamw"
+           else zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS))
+    for step in range(3):
+        for micro in range(2 if misuse == "accumulate" else 1):
+            loss_of(model, "gpt", rank_slice(global_batch(2 * step + micro, world), rank, world).to(device)).backward()
+        if step > 0 and misuse == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if step > 0 and misuse == "zcompile_clip":
+            zcompile.clip_grad_norm_(model, 1.0)
+        if step > 0 and misuse == "lr":
+            opt.param_groups[0]["lr"] = LR / 2
+        if step > 0 and misuse == "zero_grad":
+            opt.zero_grad()
+        opt.step()
+        opt.zero_grad()

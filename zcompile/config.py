@@ -171,6 +171,11 @@ SCHEMA: dict[str, Any] = {
         "delayed_update": Key((bool,), False, "one-step delayed parameter update (ZeRO-Offload's DPU): the host "
                               "optimizer's update of step k runs on a thread beside step k+1's forward and backward, "
                               "which use parameters one update older; needs zcompile.CPUAdam"),
+        "update_in_backward": Key((bool,), False, "the host optimizer steps each gradient bucket as soon as its "
+                                  "reduce-scatter is done, beside the rest of the backward (from the second step on: "
+                                  "the first one learns the optimizer); one backward per optimizer.step(), no "
+                                  "gradient clipping or other change to gradients between them (checked); needs "
+                                  "zcompile.CPUAdam"),
     }, "ZeRO-Infinity tiers"),
     "nonfinite": Key((str,), "off", "off, warn, skip or error: at optimizer.step(), all ranks learn whether any "
                      "rank's loss or gradients are NaN/inf and warn, skip the step, or raise NonFiniteGradients (one "
@@ -232,6 +237,7 @@ class Offload:
     activation_min_bytes: int = _default("offload", "activation_min_bytes")
     overlap: bool = _default("offload", "overlap")
     delayed_update: bool = _default("offload", "delayed_update")
+    update_in_backward: bool = _default("offload", "update_in_backward")
 
     @property
     def any(self) -> bool:
@@ -418,6 +424,13 @@ def _check_offload(o: Offload, where: str) -> None:
         raise ConfigError(f"{where}: key 'offload.delayed_update' needs offload.optimizer cpu, nvme or auto and "
                           f"offload.params none (got optimizer {o.optimizer!r}, params {o.params!r}): the delayed "
                           "update steps host masters while the next step reads the device's parameters")
+    if o.update_in_backward and (o.optimizer == "none" or o.params != "none"):
+        raise ConfigError(f"{where}: key 'offload.update_in_backward' needs offload.optimizer cpu, nvme or auto and "
+                          f"offload.params none (got optimizer {o.optimizer!r}, params {o.params!r}): it steps the "
+                          "host masters of parameters that stay on the device")
+    if o.update_in_backward and o.delayed_update:
+        raise ConfigError(f"{where}: keys 'offload.update_in_backward' and 'offload.delayed_update' are both true: "
+                          "the update runs either inside the backward or beside the next step; choose one")
     if "nvme" in (o.optimizer, o.params):
         if not o.nvme_path:
             raise ConfigError(f"{where}: key 'offload.nvme_path' is required when a tier is 'nvme'")
@@ -453,6 +466,10 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                           "only loses accuracy")
     offload = _tiers(Offload(**v["offload"]))
     _check_offload(offload, where)
+    if offload.update_in_backward and v["nonfinite"] != "off":
+        raise ConfigError(f"{where}: key 'offload.update_in_backward' is true but 'nonfinite' is "
+                          f"{v['nonfinite']!r}: the update runs before optimizer.step() could learn of a NaN/inf "
+                          "gradient; set nonfinite to off or update_in_backward to false")
     if isinstance(v["hpz_partition_size"], str) and v["hpz_partition_size"] != "node":
         raise ConfigError(f"{where}: key 'hpz_partition_size' must be a rank count or 'node' (the ranks per node), "
                           f"got {v['hpz_partition_size']!r}")

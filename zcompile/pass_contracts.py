@@ -47,6 +47,8 @@ CONTRACTS: dict[str, Contract] = {
     "quantize_gradients": _c("split", {"quantized_reductions"}, {"grad_reduction"}, reads={"members"},
                              enabled_by="quantize_gradients"),
     "offload_grads": _c("split", {"grad_offload"}, {"grad_reduction"}, enabled_by="offload.params"),
+    "update_in_backward": _c("split", {"updates_in_backward"}, {"grad_reduction"},
+                             enabled_by="offload.update_in_backward"),
     "offload_activations": _c("split", {"activation_offload"}, enabled_by="offload.activations"),
     "prefetch": _c("split", {"prefetch"}, {"param_shards"}),
 }

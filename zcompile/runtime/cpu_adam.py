@@ -9,7 +9,9 @@ thread pool while this one is updated, and written back behind it. `state_dict()
 
 With zcompile's `offload.delayed_update` the step hook asks for a delayed step: `step()` takes the gradients and
 runs the update on a thread of its own, returning at once; the next step (or `state_dict()`, `wait()`) waits for it
-first. `timeline` keeps the last events of that (submitted, started, done, waited; step number; perf_counter).
+first. With `offload.update_in_backward` the backward hands over each gradient bucket as it is reduced
+(`update_bucket`): the same thread updates it while the backward goes on, and `step()` waits for those updates and
+steps only the rest. `timeline` keeps the last events of both (event, step number, perf_counter).
 """
 from __future__ import annotations
 
@@ -20,6 +22,13 @@ import time
 import torch
 
 from zcompile.runtime import offload_engine, shard_store
+
+
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def _hyper(group: dict) -> tuple:
+    return tuple(float(group[k]) if k != "betas" else tuple(map(float, group[k])) for k in _HYPER)
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -33,8 +42,10 @@ class CPUAdam(torch.optim.Optimizer):
         self.nvme: offload_engine.NvmeDir | None = None
         self._steps = 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: concurrent.futures.Future | None = None
+        self._pending: list[concurrent.futures.Future] = []  # updates on the thread, in order
+        self._delayed_in_flight = False  # the last of them is a delayed step's update
         self._unlanded = False
+        self._bucket_hyper: dict[int, tuple] = {}  # id(group) -> hyper-parameters a bucket update used this step
         self.timeline: collections.deque = collections.deque(maxlen=64)  # (event, step, perf_counter s)
 
     def attach_nvme(self, nvme: offload_engine.NvmeDir | None) -> None:
@@ -79,6 +90,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     # -- the step
     def _update(self, group: dict, params, grads, exp_avgs, exp_avg_sqs) -> None:
+        """`group`: the parameter group, or a snapshot of its hyper-parameters (a bucket's update)."""
         steps = [self.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1)
         beta1, beta2 = group["betas"]
@@ -95,9 +107,11 @@ class CPUAdam(torch.optim.Optimizer):
         self.wait()
         work = self._plan()
         self._steps += 1
+        self._bucket_hyper.clear()
         if self.__dict__.pop("_zc_delayed", False):  # zcompile's step hook: offload.delayed_update
             self._record("update submitted", self._steps)
-            self._pending = self._thread().submit(self._apply, work, self._steps)
+            self._pending.append(self._thread().submit(self._apply, work, self._steps))
+            self._delayed_in_flight = True
         else:
             self._apply(work, self._steps)
         return loss
@@ -108,16 +122,19 @@ class CPUAdam(torch.optim.Optimizer):
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                if p.device.type != "cpu" or p.dtype != torch.float32 or p.grad.is_sparse:
-                    raise TypeError(f"CPUAdam steps dense fp32 host tensors; got {p.dtype} on {p.device} (with "
-                                    "zcompile, set offload.optimizer to cpu or nvme so it steps host masters)")
-                self.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
-                if self.nvme is None and "exp_avg" not in self.state[p]:
-                    self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+            self._prepare(params)
             if params:
                 work.append((group, params, [p.grad for p in params]))
         return work
+
+    def _prepare(self, params) -> None:
+        for p in params:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or (p.grad is not None and p.grad.is_sparse):
+                raise TypeError(f"CPUAdam steps dense fp32 host tensors; got {p.dtype} on {p.device} (with "
+                                "zcompile, set offload.optimizer to cpu or nvme so it steps host masters)")
+            self.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+            if self.nvme is None and "exp_avg" not in self.state[p]:
+                self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
 
     def _apply(self, work: list, step: int) -> None:
         self._record("update started", step)
@@ -129,6 +146,50 @@ class CPUAdam(torch.optim.Optimizer):
                 self._step_streamed(group, params, grads)
         self._record("update done", step)
 
+    # -- a bucket's update during the backward (offload.update_in_backward)
+    def update_bucket(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready=None) -> None:
+        """Update (parameter, gradient) pairs on the update thread, now; `ready`: an event the gradients' copies
+        record (the thread waits for it). Each group's hyper-parameters are read here, once per step: step() checks
+        they did not change before it ran."""
+        step = self._steps + 1
+        self._record("bucket handed over", step)
+        group_of = self._groups()
+        work: dict[int, tuple] = {}
+        for p, g in pairs:
+            group = group_of[p]
+            hyper = self._bucket_hyper.setdefault(id(group), _hyper(group))
+            work.setdefault(id(group), (dict(zip(_HYPER, hyper)), [], []))
+            work[id(group)][1].append(p)
+            work[id(group)][2].append(g)
+        self._prepare([p for p, _ in pairs])
+        self._pending.append(self._thread().submit(self._apply_bucket, list(work.values()), step, ready))
+
+    def _groups(self) -> dict:
+        key = tuple(id(p) for g in self.param_groups for p in g["params"])
+        if self.__dict__.get("_group_key") != key:
+            self._group_key, self._group_of = key, {p: g for g in self.param_groups for p in g["params"]}
+        return self._group_of
+
+    def _apply_bucket(self, work: list, step: int, ready) -> None:
+        if ready is not None:
+            ready.synchronize()
+        self._record("bucket update started", step)
+        for hyper, params, grads in work:
+            if self.nvme is None:
+                self._update(hyper, params, grads, [self.state[p]["exp_avg"] for p in params],
+                             [self.state[p]["exp_avg_sq"] for p in params])
+            else:
+                self._step_streamed(hyper, params, grads)
+        self._record("bucket update done", step)
+
+    def hyperparameters_changed(self) -> str | None:
+        """What changed in a group since a bucket update of this step read it (None: nothing)."""
+        for group in self.param_groups:
+            used = self._bucket_hyper.get(id(group))
+            if used is not None and used != _hyper(group):
+                return ", ".join(f"{k} ({a} -> {b})" for k, a, b in zip(_HYPER, used, _hyper(group)) if a != b)
+        return None
+
     # -- the delayed update (offload.delayed_update): one step's update on a thread of its own
     def _thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
@@ -136,14 +197,15 @@ class CPUAdam(torch.optim.Optimizer):
         return self._executor
 
     def wait(self) -> None:
-        """Block until a delayed update in flight is done (raising what it raised)."""
-        if self._pending is not None:
-            pending = self._pending
+        """Block until the updates in flight (a delayed step's, buckets') are done, raising what they raised."""
+        if self._pending:
+            pending, self._pending = self._pending, []
             try:
-                pending.result()
+                for future in pending:
+                    future.result()
             finally:
-                if self._pending is pending:
-                    self._pending, self._unlanded = None, True
+                if self._delayed_in_flight:
+                    self._delayed_in_flight, self._unlanded = False, True
                     self._record("update waited", self._steps)
 
     def take_update(self) -> bool:

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from zcompile.runtime import collective_traffic, local_step, nonfinite, offload_engine
+from zcompile.runtime import collective_traffic, local_step, nonfinite, offload_engine, update_in_backward
 from zcompile.runtime.dist_context import DistContext, all_gather_flat
 from zcompile.errors import ZeroError
 from zcompile.config import Stage, Tier
@@ -87,6 +87,11 @@ class ShardedParam:
         self.param_tier = _tier(offload.params if offload is not None and stage == Stage.PARAMETERS else "none")
         self.optim_tier = _tier(offload.optimizer if offload is not None and stage >= Stage.GRADIENTS else "none")
         self.delayed_update = offload is not None and offload.delayed_update  # applies where a master is stepped
+        self.update_in_backward = offload is not None and offload.update_in_backward  # likewise
+        self.update_optimizer = None  # update_in_backward: weak reference to the optimizer that steps the master
+        self.landing: torch.Tensor | None = None  # update_in_backward: host buffer the gradient shard lands in
+        self.landed = False  # update_in_backward: this step's update ran in the backward
+        self.landed_grad: tuple | None = None  # update_in_backward: (gradient, norm) the backward left
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)
                      if "nvme" in (self.param_tier, self.optim_tier) and attach else None)
         self.master: nn.Parameter | None = None  # host fp32 copy the optimizer steps (optimizer offload)
@@ -137,6 +142,8 @@ class ShardedParam:
         self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
         self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
         if attach:
+            if self.update_in_backward:
+                update_in_backward.TRACKED[self.key] = self  # found by the key its backward graph hands over
             if self.param_tier == Tier.NVME:
                 offload_engine.SHARDS[self.key] = self
                 self.spill()
@@ -726,6 +733,8 @@ class _Stepped:
         self.offloaded = [zp for zp in self.zps if zp.optim_tier in (Tier.CPU, Tier.NVME)]
         self.delayed = [zp for zp in self.offloaded if zp.delayed_update and zp.master is not None]
         self.in_step = [zp for zp in self.offloaded if zp not in self.delayed]  # copied back after the step
+        self.in_backward = [zp for zp in self.in_step if zp.update_in_backward and zp.master is not None]
+        self.adopted = False  # update_in_backward.adopt ran for in_backward
 
     @staticmethod
     def of(optimizer) -> "_Stepped":
@@ -751,8 +760,16 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if stepped.delayed:
         _check_delayed(optimizer)
         _land(optimizer, stepped)
+    if stepped.in_backward:
+        if not stepped.adopted:
+            update_in_backward.adopt(optimizer, stepped.in_backward)
+            stepped.adopted = True
+        update_in_backward.before_step(optimizer, [zp for zp in stepped.in_backward if zp.landed])
     for zp in stepped.offloaded:
-        zp.before_offloaded_step()
+        if zp.landed:  # stepped in the backward: the device gradient is done with
+            zp.grad_holder.grad = None
+        else:
+            zp.before_offloaded_step()
     if stepped.delayed:
         optimizer._zc_delayed = True  # CPUAdam.step runs this update on its thread
     if not kwargs and all(a is optimizer for a in args):  # torch passes (self,); a closure makes gradients in step
@@ -769,6 +786,8 @@ def _post_step(optimizer, args, kwargs) -> None:
         zp.exit_step()
     for zp in stepped.in_step:  # a delayed update's parameters are copied out at the next step (_land)
         zp.after_offloaded_step()
+    if update_in_backward.LANDED:
+        update_in_backward.after_step([zp for zp in stepped.in_backward if zp.landed])
     # whole-parameter copies are refreshed by the next graph run that reads them (refresh_stale)
 
 
@@ -781,6 +800,8 @@ def graph_inputs(args: list, params: dict) -> None:
     DTensor parameters whose gradient the graph computes go through one autograd node per graph call, whose
     backward makes their DTensor gradients: a node per parameter cost ~15 Python calls and two ops each, every
     step (issue 56)."""
+    if update_in_backward.LANDED:
+        update_in_backward.check_no_pending("a forward")
     wanted = []
     for i, zp in params.items():
         x = zp.graph_input(args[i])
