@@ -89,7 +89,6 @@ class ShardedParam:
         self.delayed_update = offload is not None and offload.delayed_update  # applies where a master is stepped
         self.update_in_backward = offload is not None and offload.update_in_backward  # likewise
         self.update_optimizer = None  # update_in_backward: weak reference to the optimizer that steps the master
-        self.landing: torch.Tensor | None = None  # update_in_backward: host buffer the gradient shard lands in
         self.landed = False  # update_in_backward: this step's update ran in the backward
         self.landed_grad: tuple | None = None  # update_in_backward: (gradient, norm) the backward left
         self.nvme = (offload_engine.NvmeDir(offload.nvme_path, ctx.rank, offload.nvme_keep)

@@ -2,8 +2,8 @@
 (ZeRO-Offload's overlap of the CPU update with the backward).
 
 The backward graph calls `zcompile::grads_ready(grads, keys)` right after a bucket's reduce-scatter (pass
-update_in_backward). Here that call copies the bucket's gradient shards into host buffers kept per parameter (pinned
-memory written on a side stream, on a GPU) and hands them to the optimizer (`CPUAdam.update_bucket`), whose thread
+update_in_backward). Here that call copies the bucket's gradient shards into host buffers (pinned memory written on
+a side stream, on a GPU; each freed once its update is done) and hands them to the optimizer (`CPUAdam.update_bucket`), whose thread
 updates the host masters while the backward goes on. `optimizer.step()` waits for those updates, steps what the
 backward did not hand over and copies every master back into its device shard, as without this option.
 
@@ -45,11 +45,12 @@ def _ready(zp) -> bool:
             and (zp.dtensor is None or zp.dtensor._version == zp.master_synced))
 
 
-def _host_buffer(zp) -> torch.Tensor:
-    buf = zp.landing
-    if buf is None:
-        buf = zp.landing = torch.zeros(zp.shard_numel, dtype=torch.float32,
-                                       pin_memory=zp.shard.device.type == "cuda")
+def _host_buffer(zp, numel: int) -> torch.Tensor:
+    """The master's gradient for one update, freed when it is done (pinned memory comes from torch's caching host
+    allocator: after the first step, no new pinned allocation)."""
+    buf = torch.empty(zp.shard_numel, dtype=torch.float32, pin_memory=zp.shard.device.type == "cuda")
+    if numel < zp.shard_numel:
+        buf[numel:].zero_()
     return buf
 
 
@@ -84,7 +85,8 @@ def land(grads: list[torch.Tensor], keys: list[int]) -> None:
     for opt, members in by_optimizer.items():
         pairs = []
         for zp, g in members:
-            flat, buf = g.reshape(-1), _host_buffer(zp)
+            flat = g.reshape(-1)
+            buf = _host_buffer(zp, flat.numel())
             if on_gpu:
                 with torch.cuda.stream(stream):
                     buf[: flat.numel()].copy_(flat, non_blocking=True)
