@@ -101,13 +101,16 @@ def test_zero_grad_without_a_step_drops_the_gradients(offload):
         assert out["same"], out
 
 
-@pytest.mark.parametrize("stage, backend", [(3, "eager"), (3, "inductor"), (2, "inductor")])
-def test_update_in_backward_steps_each_bucket_during_the_backward_and_equals_the_step(stage, backend):
+@pytest.mark.parametrize("stage, backend, tier", [(3, "eager", "cpu"), (3, "inductor", "cpu"), (2, "inductor", "cpu"),
+                                                 (3, "eager", "nvme")])
+def test_update_in_backward_steps_each_bucket_during_the_backward_and_equals_the_step(stage, backend, tier, tmp_path):
     """Issue 57: offload.update_in_backward. From the second step on, every bucket's gradient shards reach CPUAdam
     during the backward, right after their reduce-scatter, and a bucket's update starts before the backward ends
     (CPUAdam's timeline); losses and parameters are exactly those of the same compile path stepping everything in
-    optimizer.step(). The first step, whose optimizer is not known yet, steps in optimizer.step()."""
-    for out in run_world(2, workers.update_in_backward, {"stage": stage, "backend": backend}, 3):
+    optimizer.step(), also with the moments in NVMe files. The first step, whose optimizer is not known yet, steps
+    in optimizer.step()."""
+    offload = {"optimizer": tier, "nvme_path": str(tmp_path) if tier == "nvme" else None}
+    for out in run_world(2, workers.update_in_backward, {"stage": stage, "backend": backend}, 3, "gpt3", offload):
         assert out["losses"] == out["ref_losses"] and out["same"], out["max_diff"]
         assert not any(event.startswith("bucket") for event, step, _ in out["timeline"] if step == 1)
         overlapped = []

@@ -781,16 +781,17 @@ def zero_grad_without_a_step(rank: int, world: int, offload: dict) -> dict:
     return {"same": all(torch.equal(out[0][k], out[1][k]) for k in out[0])}
 
 
-def update_in_backward(rank: int, world: int, config: dict, steps: int = 4, name: str = "gpt3") -> dict:
+def update_in_backward(rank: int, world: int, config: dict, steps: int = 4, name: str = "gpt3",
+                       offload: dict | None = None) -> dict:
     """offload.update_in_backward against the same compile path with the update inside optimizer.step(): losses,
     parameters and CPUAdam's timeline (whose bucket updates start during the backward, from the second step on)."""
     device = zcompile.runtime.dist_context.DistContext.current().device
     runs = []
     for in_backward in (True, False):
         reset_dynamo()
-        offload = {"optimizer": "cpu", "update_in_backward": in_backward}
+        tiers = dict(offload or {"optimizer": "cpu"}, update_in_backward=in_backward)
         model = torch.compile(build_model(name).to(device), backend="zero",
-                              options={"config": dict(config, offload=offload)})
+                              options={"config": dict(config, offload=tiers)})
         opt = zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
         losses = []
         for step in range(steps):

@@ -46,6 +46,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._delayed_in_flight = False  # the last of them is a delayed step's update
         self._unlanded = False
         self._bucket_hyper: dict[int, tuple] = {}  # id(group) -> hyper-parameters a bucket update used this step
+        self._group_of: dict | None = None  # parameter -> group, for bucket updates
         self.timeline: collections.deque = collections.deque(maxlen=64)  # (event, step, perf_counter s)
 
     def attach_nvme(self, nvme: offload_engine.NvmeDir | None) -> None:
@@ -108,6 +109,7 @@ class CPUAdam(torch.optim.Optimizer):
         work = self._plan()
         self._steps += 1
         self._bucket_hyper.clear()
+        self._group_of = None
         if self.__dict__.pop("_zc_delayed", False):  # zcompile's step hook: offload.delayed_update
             self._record("update submitted", self._steps)
             self._pending.append(self._thread().submit(self._apply, work, self._steps))
@@ -165,9 +167,9 @@ class CPUAdam(torch.optim.Optimizer):
         self._pending.append(self._thread().submit(self._apply_bucket, list(work.values()), step, ready))
 
     def _groups(self) -> dict:
-        key = tuple(id(p) for g in self.param_groups for p in g["params"])
-        if self.__dict__.get("_group_key") != key:
-            self._group_key, self._group_of = key, {p: g for g in self.param_groups for p in g["params"]}
+        """parameter -> its group, worked out once per step (step() drops it: groups may change between steps)."""
+        if self._group_of is None:
+            self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         return self._group_of
 
     def _apply_bucket(self, work: list, step: int, ready) -> None:

@@ -90,7 +90,7 @@ def land(grads: list[torch.Tensor], keys: list[int]) -> None:
             if on_gpu:
                 with torch.cuda.stream(stream):
                     buf[: flat.numel()].copy_(flat, non_blocking=True)
-                g.record_stream(stream)
+                flat.record_stream(stream)  # (a copy if g was not contiguous: kept until read)
             else:
                 buf[: flat.numel()].copy_(flat)
             offload_engine.count("device->cpu", flat.numel() * flat.element_size())
