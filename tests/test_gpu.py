@@ -87,6 +87,17 @@ def test_offload_tiers_on_cuda():
     assert max_diff(full["params"], plain["params"]) < TOL  # host AdamW vs CUDA AdamW: rounding only
 
 
+def test_update_in_backward_on_cuda():
+    """offload.update_in_backward with CUDA gradients: each bucket's shards leave on a side stream into pinned host
+    buffers and CPUAdam updates them while the backward runs (a bucket update starts before its end); the same
+    training as stepping in optimizer.step() (within rounding: the hand-over call can change inductor's fusion)."""
+    for out in run_world(_world(), workers.update_in_backward, {"stage": 3}, 3, "gpt3", env=NCCL):
+        assert _close(out["losses"], out["ref_losses"]) and out["max_diff"] < TOL, out["max_diff"]
+        ends = {s: t for e, s, t in out["timeline"] if e == "backward done"}
+        starts = [(s, t) for e, s, t in out["timeline"] if e == "bucket update started"]
+        assert ends and any(t < ends[s] for s, t in starts), out["timeline"]
+
+
 def test_nvme_tier_on_cuda(tmp_path):
     """Parameter shards and Adam moments in files against CPUAdam in memory with CUDA parameters (within rounding,
     as above); bytes flow nvme -> cpu -> device."""
