@@ -138,15 +138,19 @@ class CPUAdam(torch.optim.Optimizer):
             if self.nvme is None and "exp_avg" not in self.state[p]:
                 self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
 
-    def _apply(self, work: list, step: int) -> None:
-        self._record("update started", step)
+    def _apply(self, work: list, step: int, what: str = "update", ready=None) -> None:
+        """Step `work` ((group or hyper-parameters, params, gradients) triples); `ready`: an event to wait for
+        first (the gradients' copies to the host)."""
+        if ready is not None:
+            ready.synchronize()
+        self._record(f"{what} started", step)
         for group, params, grads in work:
             if self.nvme is None:
                 self._update(group, params, grads, [self.state[p]["exp_avg"] for p in params],
                              [self.state[p]["exp_avg_sq"] for p in params])
             else:
                 self._step_streamed(group, params, grads)
-        self._record("update done", step)
+        self._record(f"{what} done", step)
 
     # -- a bucket's update during the backward (offload.update_in_backward)
     def update_bucket(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready=None) -> None:
@@ -164,25 +168,13 @@ class CPUAdam(torch.optim.Optimizer):
             work[id(group)][1].append(p)
             work[id(group)][2].append(g)
         self._prepare([p for p, _ in pairs])
-        self._pending.append(self._thread().submit(self._apply_bucket, list(work.values()), step, ready))
+        self._pending.append(self._thread().submit(self._apply, list(work.values()), step, "bucket update", ready))
 
     def _groups(self) -> dict:
         """parameter -> its group, worked out once per step (step() drops it: groups may change between steps)."""
         if self._group_of is None:
             self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         return self._group_of
-
-    def _apply_bucket(self, work: list, step: int, ready) -> None:
-        if ready is not None:
-            ready.synchronize()
-        self._record("bucket update started", step)
-        for hyper, params, grads in work:
-            if self.nvme is None:
-                self._update(hyper, params, grads, [self.state[p]["exp_avg"] for p in params],
-                             [self.state[p]["exp_avg_sq"] for p in params])
-            else:
-                self._step_streamed(hyper, params, grads)
-        self._record("bucket update done", step)
 
     def hyperparameters_changed(self) -> str | None:
         """What changed in a group since a bucket update of this step read it (None: nothing)."""
