@@ -201,16 +201,26 @@ class _GraphCompile:
         """The planned step peak of `graphs` (kind -> graph), from the split passes run on copies of them
         (parameters not yet decided whole count as sharded). `compiled`: with the copies compiled as they will be,
         where inductor's code says what it allocates (wrapper_memory; the FX plan with backend eager)."""
+        return self.trial_peaks(graphs, offload_saved, float("inf") if compiled else None)[1]
+
+    def trial_peaks(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset(),
+                    compile_within: float | None = None) -> tuple[int, int]:
+        """(the FX plan's step peak, the compiled code's) of `graphs`, from one run of the split passes on copies:
+        the copies are compiled only where the code is followed (follows_code) and the FX peak is within
+        `compile_within`; otherwise the second is the first."""
         scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
         copies = {kind: fx.GraphModule(gm, placement.copy_graph(gm.graph)) for kind, gm in graphs.items()}
         self.mark_released(copies)
         split = {kind: self.split_passes(gm, kind, trial=scratch, offload_saved=offload_saved)[0]
                  for kind, gm in copies.items()}
         lives = {kind: liveness.analyze(gm) for kind, gm in split.items()}
-        if compiled and self.follows_code():
-            with self.timed("trial compile"):
-                lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in split.items()}
-        return planner.step_peak(planner.model_state(list(self.params.values())), lives, self.cfg.accumulate_grads)
+        state = planner.model_state(list(self.params.values()))
+        peak = planner.step_peak(state, lives, self.cfg.accumulate_grads)
+        if compile_within is None or peak > compile_within or not self.follows_code():
+            return peak, peak
+        with self.timed("trial compile"):
+            lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in split.items()}
+        return peak, planner.step_peak(state, lives, self.cfg.accumulate_grads)
 
     def follows_code(self) -> bool:
         """Whether the planned peak comes from the compiled code (wrapper_memory): inductor in regions or one
@@ -256,8 +266,7 @@ class _GraphCompile:
         if budget is None or not self.cfg.plan_activations:
             return fw, bw
         with self.timed("activation plan"):
-            peak = self.trial_peak({"forward": fw, "backward": bw})
-            code = self.trial_peak({"forward": fw, "backward": bw}, compiled=True) if peak <= budget else peak
+            peak, code = self.trial_peaks({"forward": fw, "backward": bw}, compile_within=budget)
             if code <= budget:
                 return fw, bw
             originals = [fx.GraphModule(gm, placement.copy_graph(gm.graph)) for gm in (fw, bw)
