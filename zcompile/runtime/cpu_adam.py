@@ -163,8 +163,9 @@ class CPUAdam(torch.optim.Optimizer):
         work: dict[int, tuple] = {}
         for p, g in pairs:
             group = group_of[p]
-            hyper = self._bucket_hyper.setdefault(id(group), _hyper(group))
-            work.setdefault(id(group), (dict(zip(_HYPER, hyper)), [], []))
+            if id(group) not in work:
+                hyper = self._bucket_hyper.setdefault(id(group), _hyper(group))
+                work[id(group)] = (dict(zip(_HYPER, hyper)), [], [])
             work[id(group)][1].append(p)
             work[id(group)][2].append(g)
         self._prepare([p for p, _ in pairs])

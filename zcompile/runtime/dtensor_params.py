@@ -693,7 +693,7 @@ def _guard_token(ph: torch.fx.Node, zp: shard_store.ShardedParam) -> None:
     source = getattr(ph.meta.get("grapharg"), "source", None)
     tokens = getattr(source, "base", None)
     if not (isinstance(source, DictGetItemSource) and isinstance(tokens, AttrSource) and tokens.member == "_zc_tokens"):
-        raise ZCompileError(f"parameter {zp.name or list(zp.shape)} reached the graph through {source}, not through "
+        raise ZCompileError(f"parameter {zp.label} reached the graph through {source}, not through "
                             "its module's _zc_tokens: this torch's dynamo names sources otherwise than zcompile knows")
     param = DictGetItemSource(AttrSource(tokens.base, "_parameters"), source.index)
     # identity through the parameter's ShardedParam: an ID_MATCH on the parameter would hold a weak reference to it,

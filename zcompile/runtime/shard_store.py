@@ -235,6 +235,11 @@ class ShardedParam:
         assert p is not None, "parameter was freed while its shard is in use"
         return p
 
+    @property
+    def label(self) -> str:
+        """How messages name the parameter: its name in the module, else its shape."""
+        return self.name or str(list(self.shape))
+
     def held(self) -> nn.Parameter | None:
         """The parameter the module holds: its DTensor, else the plain parameter (stage 0, stand-ins)."""
         return self.dtensor if self.dtensor is not None else self.param_ref()
@@ -591,7 +596,7 @@ def check_not_reassigned(zp: ShardedParam) -> None:
     are lost (with FSDP2 too). Refuse to run on instead of computing with the old ones."""
     if zp.dtensor is not None and zp.dtensor.untyped_storage()._cdata != zp.wrapper_storage:
         raise ZeroError(
-            f"parameter {zp.name or list(zp.shape)} was assigned with `p.data = ...` after zcompile sharded it into a "
+            f"parameter {zp.label} was assigned with `p.data = ...` after zcompile sharded it into a "
             "DTensor: a DTensor keeps its local tensor, so the assigned values are lost (FSDP2's parameters lose them "
             "the same way). Write values in place: `with torch.no_grad(): p.copy_(...)` with a DTensor of the same "
             "placement, or `model.load_state_dict({name: whole tensor}, strict=False)`, which zcompile shards")

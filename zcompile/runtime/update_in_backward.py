@@ -68,7 +68,7 @@ def land(grads: list[torch.Tensor], keys: list[int]) -> None:
         if zp is None or not _ready(zp):
             continue  # stepped by optimizer.step() as without the option
         if zp.landed:
-            raise ZeroError(f"offload.update_in_backward: parameter {zp.name or list(zp.shape)} got a second gradient "
+            raise ZeroError(f"offload.update_in_backward: parameter {zp.label} got a second gradient "
                             "before optimizer.step(), but its update already ran in the first backward: run one "
                             "backward per optimizer.step() (no gradient accumulation, no retain_graph re-runs) or "
                             "set offload.update_in_backward to false")
@@ -114,11 +114,8 @@ def _snapshot() -> None:
     """The backward is over: remember each landed parameter's gradient as it left it (the tensor and its norm, one
     foreach kernel), so that optimizer.step() can tell whether anything changed it since: torch's foreach clipping
     of DTensor gradients bumps no version counter."""
-    held = [(zp, zp.grad_holder.grad) for zp in LANDED]
-    present = [(zp, g) for zp, g in held if g is not None]
+    present = [(zp, g) for zp in LANDED if (g := zp.grad_holder.grad) is not None]  # the others stay None
     norms = torch._foreach_norm([_local(g) for _, g in present]) if present else []
-    for zp, _ in held:
-        zp.landed_grad = None
     for (zp, g), norm in zip(present, norms):
         zp.landed_grad = (g, norm)
     for opt in {zp.update_optimizer() for zp in LANDED} - {None}:
@@ -134,7 +131,7 @@ def before_step(optimizer, landed: list) -> None:
     optimizer.wait()
     for zp in landed:
         if zp.landed_grad is None or zp.grad_holder.grad is not zp.landed_grad[0]:
-            raise ZeroError(f"offload.update_in_backward: parameter {zp.name or list(zp.shape)} was updated during the "
+            raise ZeroError(f"offload.update_in_backward: parameter {zp.label} was updated during the "
                             "backward but does not hold the gradient that backward made at optimizer.step() "
                             "(torch.autograd.grad instead of .backward(), zero_grad before the step, or p.grad "
                             "replaced): set offload.update_in_backward to false for such loops")
@@ -142,7 +139,7 @@ def before_step(optimizer, landed: list) -> None:
         now = torch._foreach_norm([_local(zp.grad_holder.grad) for zp in landed])
         if not torch.equal(torch.stack(now), torch.stack([zp.landed_grad[1] for zp in landed])):
             zp = next(zp for zp, n in zip(landed, now) if not torch.equal(n, zp.landed_grad[1]))
-            raise ZeroError(f"offload.update_in_backward: the gradient of parameter {zp.name or list(zp.shape)} "
+            raise ZeroError(f"offload.update_in_backward: the gradient of parameter {zp.label} "
                             "changed between the backward and optimizer.step() (gradient clipping, a hook, a "
                             "scaler's unscale_?), but its update already ran with the gradient the backward made: "
                             "set offload.update_in_backward to false to change gradients before the step")
@@ -164,7 +161,7 @@ def check_no_pending(where: str) -> None:
     if LANDED:
         zp = LANDED[0]
         raise ZeroError(f"offload.update_in_backward: {where} ran before optimizer.step() took the update made in "
-                        f"the last backward (parameter {zp.name or list(zp.shape)}): call optimizer.step() after "
+                        f"the last backward (parameter {zp.label}): call optimizer.step() after "
                         "each backward (gradient accumulation needs offload.update_in_backward false)")
 
 
