@@ -43,8 +43,9 @@ AUTO_MIN_CALLS = 8
 
 
 def why_not(gm: fx.GraphModule, cfg) -> str | None:
-    """Why this dynamo graph's regions cannot stay regions (they are inlined first), or None. The dynamo-phase
-    passes (mixed_precision's casts, tile_linears) rewrite parameter uses, which would sit inside the bodies."""
+    """Why this dynamo graph's regions cannot stay regions (they are inlined first), or None. tile_linears (a
+    dynamo-phase pass) rewrites parameter uses, which sit inside the bodies; mixed_precision casts a region's
+    parameter operands inside its body."""
     if cfg.keep_block_regions is False:
         return "off"
     found = calls(gm)
@@ -54,8 +55,8 @@ def why_not(gm: fx.GraphModule, cfg) -> str | None:
         most = max(collections.Counter(id(body_of(gm, c)) for c in found).values())
         if most < AUTO_MIN_CALLS:
             return f"auto: a block repeats {most} times, fewer than {AUTO_MIN_CALLS}"
-    if cfg.mixed_precision.param_dtype != torch.float32 or cfg.tiling is not None:
-        return "a dynamo-phase pass rewrites parameter uses"
+    if cfg.tiling is not None:
+        return "tile_linears rewrites parameter uses"
     if any(calls(body_of(gm, c)) for c in found):
         return "a region inside a region"  # AOTAutograd pairs only top-level regions' forward and backward
     return None
@@ -92,7 +93,8 @@ def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
         done.add(id(body))
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             # one fake mode for all: dynamo's values and the parameters unwrap_graph made in the backend's
-            args = tuple(_in_mode(_example(a, phs), fake_mode) for a in operands(call))
+            args = tuple(_as_traced(_in_mode(_example(a, phs), fake_mode), p)
+                         for a, p in zip(operands(call), _placeholders(body)))
             traced = materialize_as_graph(body, args)
         if check_input_alias_and_mutation_return_outputs(traced)[3]:
             return "a block writes its inputs"
@@ -107,6 +109,20 @@ def _in_mode(x, fake_mode):
     if fake_mode is None or not isinstance(x, FakeTensor) or x.fake_mode is fake_mode:
         return x
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
+
+
+def _placeholders(body: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in body.graph.nodes if n.op == "placeholder"]
+
+
+def _as_traced(x, ph: fx.Node):
+    """`x` in the dtype dynamo traced the body with: a parameter's token is in the compute dtype, which
+    mixed_precision's cast inside the body gives it (it runs after this check)."""
+    traced = ph.meta.get("example_value")
+    if isinstance(x, torch.Tensor) and isinstance(traced, torch.Tensor) and x.dtype != traced.dtype \
+            and x.is_floating_point() and traced.is_floating_point():
+        return x.to(traced.dtype)
+    return x
 
 
 def _example(arg, phs: dict):

@@ -48,7 +48,8 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
     and all-gather) placed before the region's first wait (the last block prefetches the final norm's bucket, of
     another size). Neither changes the order of collectives and waits; the gather moves only over work that reads
     no gathered parameter, so the overlap and the planned memory stay. Nodes of a block seen before (a saved
-    activation's transpose at the end of the forward) stay in the current region. No cut where a value that is
+    activation's transpose at the end of the forward) stay in the current region; pure work on the graph's inputs
+    alone that is no one block's own (`_shared_work`) goes before the block region that meets it. No cut where a value that is
     neither a tensor nor a size (a dynamic dim's SymInt) would cross: a tuple of a multi-output op. Without
     `by_block`, one region."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
@@ -61,10 +62,12 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
     for a in graph.output_node().all_input_nodes:
         last[a] = len(nodes)
     issue = gather_issues(nodes)
+    shared = _shared_work(nodes)
     regions: list[list[fx.Node]] = [[]]
     hoisted: dict[int, list[fx.Node]] = {}  # region -> the glue and gather issues moved before it
     in_block: list[bool] = [False]  # per region: it holds block work
     waited: list[bool] = [False]  # per region: it waited on a collective so far
+    region_of: dict[fx.Node, int] = {}
     live: set[fx.Node] = set()
     seen: set[str] = set()
 
@@ -73,11 +76,16 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
             hoisted.setdefault(len(regions) - 1, []).append(n)
         else:
             regions[-1].append(n)
+            region_of[n] = len(regions) - 1
         waited[-1] = waited[-1] or n.target is c10d.wait_tensor.default
 
     for k, n in enumerate(nodes):
         live = {x for x in live if last[x] >= k}
         block = block_of(n)
+        if in_block[-1] and n in shared and all(region_of.get(a) != len(regions) - 1 for a in n.all_input_nodes):
+            hoisted.setdefault(len(regions) - 1, []).append(n)
+            live.add(n)
+            continue
         into_block = bool(block) and block not in seen
         cut = into_block or (block == "" and in_block[-1])
         if cut and regions[-1] and all(isinstance(x.meta.get("val"), (torch.Tensor, torch.SymInt)) for x in live):
@@ -103,6 +111,34 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
         out.append((nodes_r, in_block[r]))
     out = [(r, b) for r, b in out if r]
     return [r for r, _ in out], [b for _, b in out]
+
+
+def _shared_work(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Pure work on the graph's inputs alone (no collective, no random draw) that is no one block's own: read by
+    several blocks (the attention mask, the rotary unsqueezes AOTAutograd computes once, in block 0), another
+    module's that a block reads (a Llama's rotary cos and sin, which the partitioner recomputes in the backward
+    where the last block first reads them), or feeding only such work. Left in the block region that meets it, it
+    would cut that region in two or make that one block compile apart from the others."""
+    from_inputs: set[fx.Node] = set()
+    for n in nodes:
+        if (n.op == "call_function" and not n.is_impure() and not _communicates(n)
+                and not (isinstance(n.target, torch._ops.OpOverload)
+                         and torch.Tag.nondeterministic_seeded in n.target.tags)
+                and all(a.op in ("placeholder", "get_attr") or a in from_inputs for a in n.all_input_nodes)):
+            from_inputs.add(n)
+    readers: dict[fx.Node, frozenset] = {}  # the blocks reading a node, directly or through non-block work
+    shared: set[fx.Node] = set()
+    for n in reversed(nodes):  # users first
+        if n not in from_inputs:
+            continue
+        found: set[str] = set()
+        for u in n.users:
+            block = block_of(u)
+            found |= {block} if block else readers.get(u, frozenset())
+        readers[n] = frozenset(found)
+        if len(found) > 1 or (block_of(n) == "" and found) or (n.users and all(u in shared for u in n.users)):
+            shared.add(n)
+    return shared
 
 
 def _trailing_glue(region: list[fx.Node], into_block: bool) -> list[fx.Node]:

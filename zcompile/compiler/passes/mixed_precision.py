@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from zcompile.compiler import block_regions, trace_blocks_once
 from zcompile.compiler.passes import placement
 
 
@@ -33,6 +34,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         return gm
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    cast_bodies: set[tuple[int, int]] = set()  # (id(body), operand) already cast inside the body
     order = {n: k for k, n in enumerate(graph.nodes)}  # users are original nodes: the casts added keep it valid
     for i, ph in enumerate(placeholders):
         val = ph.meta.get("example_value", ph.meta.get("val"))
@@ -41,6 +43,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         if i not in pctx.params and not _is_user_input(ph):
             continue
         users = list(ph.users)
+        if i in pctx.params:
+            users = [u for u in users if not _cast_in_regions(gm, ph, u, dtype, cast_bodies)]
         if not users:
             continue
         # at the first use, not at the top: shard_params gathers a parameter where its cast is, and every cast at
@@ -60,3 +64,27 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         new_outs.append(o)
     out.args = (type(outs)(new_outs) if isinstance(outs, (tuple, list)) else new_outs[0],)
     return gm
+
+
+def _cast_in_regions(gm: fx.GraphModule, ph: fx.Node, user: fx.Node, dtype: torch.dtype, done: set) -> bool:
+    """A parameter handed to a block kept as a region (block_regions) is cast inside the region's body, at its
+    first use there, so every block region still takes its parameters as operands (the region's partitioner and,
+    once inlined, shard_params see them) and each distinct body is cast once for all its calls. True when `user`
+    is such a call and reads `ph` only as parameter operands."""
+    if user.target is not torch.ops.higher_order.invoke_subgraph or ph in (user.args[0], user.args[1]):
+        return False
+    body = trace_blocks_once.body_of(gm, user)
+    phs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    for k, a in enumerate(block_regions.operands(user)):
+        if a is not ph or (id(body), k) in done:
+            continue
+        done.add((id(body), k))
+        inner = phs[k]
+        uses = list(inner.users)
+        if uses:
+            order = {n: j for j, n in enumerate(body.graph.nodes)}
+            cast = placement.at_first_use(body.graph, inner, uses, order,
+                                          lambda: body.graph.call_method("to", (inner, dtype)))
+            cast.meta["zc_note"] = f"mixed_precision: compute in {dtype}"
+            body.recompile()
+    return True
