@@ -47,24 +47,31 @@ LR = 6e-4
 
 
 # ---------------------------------------------------------------- models
-def build_model(name: str, vocab: int | None) -> torch.nn.Module:
+def build_model(name: str, vocab: int | None, layers: int | None = None) -> torch.nn.Module:
     """gpt2-<size> (nanoGPT, 124M/350M/774M/1.5B), gpt2-cpu (8 layers, 128 wide: the CPU proxy), gpt2-tiny (2
-    layers, 64 wide: tests), llama-1B (16 layers, 2048 wide, SwiGLU 8192, 32 heads / 8 KV heads), llama-cpu."""
+    layers, 64 wide: tests), llama-1B (16 layers, 2048 wide, SwiGLU 8192, 32 heads / 8 KV heads), llama-cpu,
+    qwen2-cpu (Qwen2ForCausalLM: biased q/k/v, tied embeddings, as Qwen2's small models; 8 layers, 128 wide).
+    `layers` overrides the depth."""
     torch.manual_seed(0)
     if name.startswith("gpt2-"):
         size = name[len("gpt2-"):]
-        shape = nanogpt.SIZES.get(size) or {"cpu": dict(n_layer=8, n_head=4, n_embd=128),
-                                            "tiny": dict(n_layer=2, n_head=2, n_embd=64)}[size]
+        shape = dict(nanogpt.SIZES.get(size) or {"cpu": dict(n_layer=8, n_head=4, n_embd=128),
+                                                 "tiny": dict(n_layer=2, n_head=2, n_embd=64)}[size])
+        if layers:
+            shape["n_layer"] = layers
         return nanogpt.GPT(nanogpt.GPTConfig(vocab_size=vocab or 50304, **shape))
-    if name.startswith("llama-"):
-        from transformers import LlamaConfig, LlamaForCausalLM
-        d, layers, heads, kv, ff = {"1B": (2048, 16, 32, 8, 8192), "cpu": (128, 8, 4, 2, 352),
-                                    "tiny": (64, 2, 2, 1, 176)}[name[len("llama-"):]]
-        cfg = LlamaConfig(vocab_size=vocab or 32000, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                          tie_word_embeddings=False, use_cache=False)  # training: no KV cache (docs/limitations.md)
+    family, _, size = name.partition("-")
+    if family in ("llama", "qwen2"):
+        import transformers
+        d, depth, heads, kv, ff = {"1B": (2048, 16, 32, 8, 8192), "cpu": (128, 8, 4, 2, 352),
+                                   "tiny": (64, 2, 2, 1, 176)}[size]
+        Config, Model = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if family == "llama"
+                         else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+        cfg = Config(vocab_size=vocab or 32000, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers or depth,
+                     num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                     tie_word_embeddings=family == "qwen2", use_cache=False)  # training: no KV cache (docs/limitations.md)
         cfg._attn_implementation = "sdpa"
-        return LlamaForCausalLM(cfg)
+        return Model(cfg)
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -134,7 +141,7 @@ DEFAULTS_SCAN = ["zcompile_z3", "zcompile_z3_whole_graph", "zcompile_z3_bucket_1
 def worker(rank: int, world: int, system: str, args) -> dict:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     bf16 = args.dtype == "bf16"
-    model = build_model(args.model, args.vocab).to(device)
+    model = build_model(args.model, args.vocab, args.layers).to(device)
     num_params = sum(p.numel() for p in model.parameters())
     run, opt, autocast = SETUP[system](model, world, device, bf16)
     vocab = model.config.vocab_size
@@ -239,7 +246,8 @@ def header(args, rows) -> str:
         device = f"CPU ({os.cpu_count()} cores), world {args.world}, gloo"
     params = next((r["num_params"] for r in rows if "num_params" in r), 0)
     dtype = "bf16 compute, fp32 master" if args.dtype == "bf16" else "fp32"
-    return (f"### {args.model} ({params / 1e6:.1f}M params), {args.micro} x {args.seq} tokens per rank, {dtype}, "
+    depth = f" at {args.layers} layers" if args.layers else ""
+    return (f"### {args.model}{depth} ({params / 1e6:.1f}M params), {args.micro} x {args.seq} tokens per rank, {dtype}, "
             f"{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
@@ -268,7 +276,8 @@ def markdown(rows: list[dict], args) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-cpu")
-    ap.add_argument("--vocab", type=int, default=None, help="default: 50304 (GPT-2), 32000 (Llama)")
+    ap.add_argument("--vocab", type=int, default=None, help="default: 50304 (GPT-2), 32000 (Llama, Qwen2)")
+    ap.add_argument("--layers", type=int, default=None, help="the model's depth (default: its own)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--world", type=int, default=None, help="default: 1 on cuda, 2 on cpu")
     ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
@@ -289,7 +298,8 @@ def main(argv=None) -> list[dict]:
     args.world = args.world or (1 if args.device == "cuda" else 2)
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, args.tag or f"workload-{args.model}-{args.device}-w{args.world}")
+    depth = f"-L{args.layers}" if args.layers else ""
+    base = os.path.join(args.out, args.tag or f"workload-{args.model}{depth}-{args.device}-w{args.world}")
     rows: list[dict] = []
     systems = DEFAULTS_SCAN if args.systems == "defaults" else args.systems.split(",")
     for system in systems:
