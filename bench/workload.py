@@ -67,9 +67,10 @@ def build_model(name: str, vocab: int | None, layers: int | None = None) -> torc
                                    "tiny": (64, 2, 2, 1, 176)}[size]
         Config, Model = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if family == "llama"
                          else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
-        cfg = Config(vocab_size=vocab or 32000, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers or depth,
-                     num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                     tie_word_embeddings=family == "qwen2", use_cache=False)  # training: no KV cache (docs/limitations.md)
+        # training: no KV cache (docs/limitations.md); Qwen2's small models tie the embeddings
+        cfg = Config(vocab_size=vocab or 32000, hidden_size=d, intermediate_size=ff,
+                     num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
+                     max_position_embeddings=4096, tie_word_embeddings=family == "qwen2", use_cache=False)
         cfg._attn_implementation = "sdpa"
         return Model(cfg)
     raise ValueError(f"unknown model {name!r}")
@@ -247,8 +248,8 @@ def header(args, rows) -> str:
     params = next((r["num_params"] for r in rows if "num_params" in r), 0)
     dtype = "bf16 compute, fp32 master" if args.dtype == "bf16" else "fp32"
     depth = f" at {args.layers} layers" if args.layers else ""
-    return (f"### {args.model}{depth} ({params / 1e6:.1f}M params), {args.micro} x {args.seq} tokens per rank, {dtype}, "
-            f"{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    return (f"### {args.model}{depth} ({params / 1e6:.1f}M params), {args.micro} x {args.seq} tokens per rank, "
+            f"{dtype}, {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
 def markdown(rows: list[dict], args) -> str:

@@ -94,7 +94,7 @@ def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             # one fake mode for all: dynamo's values and the parameters unwrap_graph made in the backend's
             args = tuple(_as_traced(_in_mode(_example(a, phs), fake_mode), p)
-                         for a, p in zip(operands(call), _placeholders(body)))
+                         for a, p in zip(operands(call), placeholders(body)))
             traced = materialize_as_graph(body, args)
         if check_input_alias_and_mutation_return_outputs(traced)[3]:
             return "a block writes its inputs"
@@ -111,7 +111,7 @@ def _in_mode(x, fake_mode):
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
 
 
-def _placeholders(body: fx.GraphModule) -> list[fx.Node]:
+def placeholders(body: fx.GraphModule) -> list[fx.Node]:
     return [n for n in body.graph.nodes if n.op == "placeholder"]
 
 

@@ -49,9 +49,9 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
     another size). Neither changes the order of collectives and waits; the gather moves only over work that reads
     no gathered parameter, so the overlap and the planned memory stay. Nodes of a block seen before (a saved
     activation's transpose at the end of the forward) stay in the current region; pure work on the graph's inputs
-    alone that is no one block's own (`_shared_work`) goes before the block region that meets it. No cut where a value that is
-    neither a tensor nor a size (a dynamic dim's SymInt) would cross: a tuple of a multi-output op. Without
-    `by_block`, one region."""
+    alone that is no one block's own (`_shared_work`) goes before the block region that meets it. No cut where a
+    value that is neither a tensor nor a size (a dynamic dim's SymInt) would cross: a tuple of a multi-output op.
+    Without `by_block`, one region."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     if not by_block:
         return ([nodes], [False]) if nodes else ([], [])

@@ -4,9 +4,11 @@ Inserts `.to(param_dtype)` after each parameter and floating user-input placehol
 AOTAutograd traces bf16 compute whose gradients flow back to the fp32 master parameters through the casts. Dynamo
 traced the model's code over the parameters' tokens, which are in the compute dtype already (docs/architecture.md,
 "Mixed precision"): what the code derived from their dtype is bf16, and these casts make the placeholders, now the
-fp32 parameters, match that. Buffers are left in their own dtype (as FSDP does). The outputs stay in the compute
-dtype, as with FSDP2's `MixedPrecisionPolicy` (its `output_dtype` None): a cast back of a language model's logits is
-a full fp32 copy of them, with an fp32 gradient in the backward (3.3 GB each for GPT-2 124M at 16 x 1024 tokens).
+fp32 parameters, match that; a block kept as a region (`keep_block_regions`) casts its parameter operands inside
+its body, once per distinct block. Buffers are left in their own dtype (as FSDP does). The outputs stay in the
+compute dtype, as with FSDP2's `MixedPrecisionPolicy` (its `output_dtype` None): a cast back of a language model's
+logits is a full fp32 copy of them, with an fp32 gradient in the backward (3.3 GB each for GPT-2 124M at 16 x 1024
+tokens).
 `mixed_precision.output_dtype: fp32` inserts `.to(original dtype)` before each floating output, the same policy as
 running the model after `.to(bf16)` with fp32 master weights.
 """
@@ -34,7 +36,7 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         return gm
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    cast_bodies: set[tuple[int, int]] = set()  # (id(body), operand) already cast inside the body
+    cast_bodies: dict[tuple[int, int], fx.GraphModule] = {}  # (id(body), operand) cast inside the body
     order = {n: k for k, n in enumerate(graph.nodes)}  # users are original nodes: the casts added keep it valid
     for i, ph in enumerate(placeholders):
         val = ph.meta.get("example_value", ph.meta.get("val"))
@@ -51,6 +53,8 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         # the top would gather the whole model before the first layer runs
         cast = placement.at_first_use(graph, ph, users, order, lambda: graph.call_method("to", (ph, dtype)))
         cast.meta["zc_note"] = f"mixed_precision: compute in {dtype}"
+    for body in {id(b): b for b in cast_bodies.values()}.values():
+        body.recompile()
     if pctx.cfg.mixed_precision.output_dtype is None:
         return gm
     out = graph.output_node()
@@ -66,19 +70,20 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
     return gm
 
 
-def _cast_in_regions(gm: fx.GraphModule, ph: fx.Node, user: fx.Node, dtype: torch.dtype, done: set) -> bool:
+def _cast_in_regions(gm: fx.GraphModule, ph: fx.Node, user: fx.Node, dtype: torch.dtype, done: dict) -> bool:
     """A parameter handed to a block kept as a region (block_regions) is cast inside the region's body, at its
     first use there, so every block region still takes its parameters as operands (the region's partitioner and,
     once inlined, shard_params see them) and each distinct body is cast once for all its calls. True when `user`
-    is such a call and reads `ph` only as parameter operands."""
+    is such a call and reads `ph` only as parameter operands; `done` collects the bodies changed, by (id(body),
+    operand), for the caller to regenerate their code once."""
     if user.target is not torch.ops.higher_order.invoke_subgraph or ph in (user.args[0], user.args[1]):
         return False
     body = trace_blocks_once.body_of(gm, user)
-    phs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    phs = block_regions.placeholders(body)
     for k, a in enumerate(block_regions.operands(user)):
         if a is not ph or (id(body), k) in done:
             continue
-        done.add((id(body), k))
+        done[id(body), k] = body
         inner = phs[k]
         uses = list(inner.users)
         if uses:
@@ -86,5 +91,4 @@ def _cast_in_regions(gm: fx.GraphModule, ph: fx.Node, user: fx.Node, dtype: torc
             cast = placement.at_first_use(body.graph, inner, uses, order,
                                           lambda: body.graph.call_method("to", (inner, dtype)))
             cast.meta["zc_note"] = f"mixed_precision: compute in {dtype}"
-            body.recompile()
     return True
