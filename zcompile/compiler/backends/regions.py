@@ -114,18 +114,23 @@ def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.
 
 
 def _shared_work(nodes: list[fx.Node]) -> set[fx.Node]:
-    """Pure work on the graph's inputs alone (no collective, no random draw) that is no one block's own: read by
-    several blocks (the attention mask, the rotary unsqueezes AOTAutograd computes once, in block 0), another
-    module's that a block reads (a Llama's rotary cos and sin, which the partitioner recomputes in the backward
-    where the last block first reads them), or feeding only such work. Left in the block region that meets it, it
-    would cut that region in two or make that one block compile apart from the others."""
+    """Pure work (no collective, no random draw) on the graph's inputs alone, saved activations and gradients
+    excepted, that every block reads and that is no one block's own: the attention mask and the rotary unsqueezes
+    AOTAutograd computes once, in block 0, or feeding only such work (the rotary cos and sin, which the partitioner
+    recomputes in the backward where the last block first reads them). Left in the block region that meets it, it
+    would make that one block compile apart from the others or cut its region in two. Values passed from one block
+    to the next (a recomputed activation two blocks read) stay where they are: moved, they would live longer."""
+    from zcompile.compiler.liveness import RELEASED  # liveness reads the regions (inductor_buffers)
     from_inputs: set[fx.Node] = set()
     for n in nodes:
         if (n.op == "call_function" and not n.is_impure() and not _communicates(n)
                 and not (isinstance(n.target, torch._ops.OpOverload)
                          and torch.Tag.nondeterministic_seeded in n.target.tags)
-                and all(a.op in ("placeholder", "get_attr") or a in from_inputs for a in n.all_input_nodes)):
+                and all(a in from_inputs or a.op == "get_attr" or (a.op == "placeholder" and not a.meta.get(RELEASED)
+                                                                    and not a.name.startswith("tangents"))
+                        for a in n.all_input_nodes)):
             from_inputs.add(n)
+    every = {b for b in map(block_of, nodes) if b}
     readers: dict[fx.Node, frozenset] = {}  # the blocks reading a node, directly or through non-block work
     shared: set[fx.Node] = set()
     for n in reversed(nodes):  # users first
@@ -136,7 +141,7 @@ def _shared_work(nodes: list[fx.Node]) -> set[fx.Node]:
             block = block_of(u)
             found |= {block} if block else readers.get(u, frozenset())
         readers[n] = frozenset(found)
-        if len(found) > 1 or (block_of(n) == "" and found) or (n.users and all(u in shared for u in n.users)):
+        if (len(every) > 1 and found == every) or (n.users and all(u in shared for u in n.users)):
             shared.add(n)
     return shared
 
