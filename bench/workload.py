@@ -247,7 +247,7 @@ def header(args, rows) -> str:
         device = f"CPU ({os.cpu_count()} cores), world {args.world}, gloo"
     params = next((r["num_params"] for r in rows if "num_params" in r), 0)
     dtype = "bf16 compute, fp32 master" if args.dtype == "bf16" else "fp32"
-    depth = f" at {args.layers} layers" if args.layers else ""
+    depth = f" at {args.layers} layers" if getattr(args, "layers", None) else ""
     return (f"### {args.model}{depth} ({params / 1e6:.1f}M params), {args.micro} x {args.seq} tokens per rank, "
             f"{dtype}, {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 

@@ -202,8 +202,8 @@ def test_kept_regions_under_bf16_train_like_inlined_blocks(name):
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_llama_compiles_one_forward_block_in_bf16(keep):
-    """Blocks inlined before AOTAutograd (keep false): work on the graph's inputs alone that a block region meets
-    but is not that block's own goes before the region (regions._shared_work). The attention mask and the rotary cos/sin
+    """Blocks inlined before AOTAutograd (keep false): work on the graph's inputs alone that every block reads goes
+    before the block region that meets it (regions._shared_work). The attention mask and the rotary cos/sin
     unsqueezes AOTAutograd computes once, in block 0, made block 0's forward compile apart from the others' (2
     forward compiles), and at 8 layers the rotary cos and sin the partitioner recomputes in the backward where the
     last block first reads them cut that block's backward in two (5 backward compiles, 4 with the fix). Kept

@@ -19,11 +19,9 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zcompile.compiler import collectives, inductor_buffers
+from zcompile.compiler.meta_keys import INDUCTOR, PARAMETER, RELEASED  # noqa: F401 (read as liveness.*)
 
 
-RELEASED = "zc_released"  # placeholder meta: a saved activation the graph frees after its last use
-PARAMETER = "zc_parameter"  # placeholder meta: a parameter's shard or whole buffer (resident between steps)
-INDUCTOR = "zc_inductor"  # graph meta: compiled by inductor, its value whether in regions (compiled_by_inductor)
 
 
 def mark_released(bw: fx.GraphModule, names) -> None:

@@ -35,6 +35,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from zcompile.compiler.blocks import block_of
 from zcompile.compiler.collectives import KEY, c10d
+from zcompile.compiler.meta_keys import RELEASED
 
 
 def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.Node]], list[bool]]:
@@ -120,7 +121,6 @@ def _shared_work(nodes: list[fx.Node]) -> set[fx.Node]:
     recomputes in the backward where the last block first reads them). Left in the block region that meets it, it
     would make that one block compile apart from the others or cut its region in two. Values passed from one block
     to the next (a recomputed activation two blocks read) stay where they are: moved, they would live longer."""
-    from zcompile.compiler.liveness import RELEASED  # liveness reads the regions (inductor_buffers)
     from_inputs: set[fx.Node] = set()
     for n in nodes:
         if (n.op == "call_function" and not n.is_impure() and not _communicates(n)
