@@ -101,6 +101,15 @@ def test_zero_grad_without_a_step_drops_the_gradients(offload):
         assert out["same"], out
 
 
+@pytest.mark.parametrize("offload", [{"optimizer": "cpu", "delayed_update": True},
+                                     {"optimizer": "cpu", "update_in_backward": True}])
+def test_zero_grad_keeping_the_tensors_trains_like_dropping_them(offload):
+    """opt.zero_grad(set_to_none=False) after each step, bit-identical to set_to_none=True: with delayed_update the
+    update thread read the masters' gradients that zero_grad then zeroed in place (4.6e-3 apart after 4 steps)."""
+    for out in run_world(2, workers.zero_grad_keeping_tensors, offload):
+        assert out["same"], out["max_diff"]
+
+
 @pytest.mark.parametrize("stage, backend, tier", [(3, "eager", "cpu"), (3, "inductor", "cpu"), (2, "inductor", "cpu"),
                                                  (3, "eager", "nvme")])
 def test_update_in_backward_steps_each_bucket_during_the_backward_and_equals_the_step(stage, backend, tier, tmp_path):

@@ -781,6 +781,27 @@ def zero_grad_without_a_step(rank: int, world: int, offload: dict) -> dict:
     return {"same": all(torch.equal(out[0][k], out[1][k]) for k in out[0])}
 
 
+def zero_grad_keeping_tensors(rank: int, world: int, offload: dict, steps: int = 4) -> dict:
+    """The same training with opt.zero_grad(set_to_none=False) after each step as with set_to_none=True: zeroing
+    gradients in place must not reach an update still running on CPUAdam's thread (delayed_update) or one made
+    during the backward (update_in_backward)."""
+    device = zcompile.runtime.dist_context.DistContext.current().device
+    out = []
+    for set_to_none in (True, False):
+        reset_dynamo()
+        model = torch.compile(build_model("gpt").to(device), backend="zero",
+                              options={"config": {"stage": 3, "backend": "eager", "offload": offload}})
+        opt = zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
+        for step in range(steps):
+            loss_of(model, "gpt", rank_slice(global_batch(step, world), rank, world).to(device)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        zcompile.land_delayed_update(opt)
+        out.append({k: v.cpu() for k, v in zcompile.full_state_dict(model).items()})
+    return {"same": all(torch.equal(out[0][k], out[1][k]) for k in out[0]),
+            "max_diff": max((out[0][k] - out[1][k]).abs().max().item() for k in out[0])}
+
+
 def update_in_backward(rank: int, world: int, config: dict, steps: int = 4, name: str = "gpt3",
                        offload: dict | None = None) -> dict:
     """offload.update_in_backward against the same compile path with the update inside optimizer.step(): losses,

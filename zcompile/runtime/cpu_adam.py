@@ -111,6 +111,9 @@ class CPUAdam(torch.optim.Optimizer):
         self._bucket_hyper.clear()
         self._group_of = None
         if self.__dict__.pop("_zc_delayed", False):  # zcompile's step hook: offload.delayed_update
+            for _, params, _ in work:  # the thread owns these gradients: zero_grad(set_to_none=False) must not zero
+                for p in params:       # them under it
+                    p.grad = None
             self._record("update submitted", self._steps)
             self._pending.append(self._thread().submit(self._apply, work, self._steps))
             self._delayed_in_flight = True

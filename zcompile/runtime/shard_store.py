@@ -770,8 +770,9 @@ def _pre_step(optimizer, args, kwargs) -> None:
             stepped.adopted = True
         update_in_backward.before_step(optimizer, [zp for zp in stepped.in_backward if zp.landed])
     for zp in stepped.offloaded:
-        if zp.landed:  # stepped in the backward: the device gradient is done with
-            zp.grad_holder.grad = None
+        if zp.landed:  # stepped in the backward: the device gradient is done with, and the master takes no step
+            zp.grad_holder.grad = None  # here (zero_grad(set_to_none=False) left it a zeroed gradient)
+            zp.master.grad = None
         else:
             zp.before_offloaded_step()
     if stepped.delayed:
