@@ -165,6 +165,40 @@ def test_auto_compiles_regions_only_where_they_repeat():
     assert deep is not None and deep.compiled_regions >= 2 * deep.compiled, (deep.compiled_regions, deep.compiled)
 
 
+@pytest.mark.parametrize("depth", [0, 3])
+def test_a_backward_region_donates_only_the_inputs_aotautograd_donated_to_it(depth):
+    """Inductor reuses in place the backward inputs AOTAutograd lists as donated, by position in the whole backward.
+    Block regions have positions of their own and hand values on to later regions: they donate none (before, each
+    inherited the whole list, e.g. an 18-input block region of nanoGPT had inputs 4-17 marked). A graph compiled as
+    one region donates AOTAutograd's inputs at the positions they have in the region (first use, not placeholder
+    order)."""
+    from torch._inductor.utils import get_donated_idxs
+    seen = []
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            name_of = {id(n.meta["val"]): n.name for n in phs}  # a region's inputs come with the graph's values
+            whole = [phs[k].name for k in get_donated_idxs() or ()] if kind == "backward" else []
+
+            def compile_one(sub, fakes):
+                seen.append((kind, whole, [name_of.get(id(fakes[k]), k) for k in get_donated_idxs() or ()]))
+                return make_boxed_func(sub.forward)
+            return regions.compile_regions(gm, example_inputs, compile_one)
+        return compile_graph
+
+    torch.manual_seed(0)
+    net = Net(depth)
+    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")))
+    run(torch.randn(4, 16)).backward()
+    backward = [(whole, mine) for kind, whole, mine in seen if kind == "backward"]
+    assert backward and all(whole for whole, _ in backward), seen  # AOTAutograd donates saved activations here
+    if depth:
+        assert all(mine == [] for _, mine in backward), backward  # the block region, compiled once
+    else:
+        assert len(backward) == 1 and sorted(backward[0][1]) == sorted(backward[0][0]), backward
+
+
 def test_each_value_is_dropped_after_its_last_reader():
     torch._dynamo.reset()
     _, run, programs = compile_net(4)

@@ -30,7 +30,9 @@ def compile_graph(name: str, gm: fx.GraphModule, example_inputs: list, kind: str
             from zcompile.compiler.backends.regions import nest_blocks
             nested = nest_blocks(gm)
             if nested is not None:
-                return compile_inductor(nested, example_inputs, kind)
+                from zcompile.compiler.backends.regions import donated_inputs
+                with donated_inputs():  # inductor would apply the whole graph's positions to each body's inputs
+                    return compile_inductor(nested, example_inputs, kind)
         if regional:  # by block where blocks repeat ('auto': enough); else one graph
             program = compile_regions(gm, example_inputs, one, min_reuse=AUTO_MIN_REUSE if regional == "auto" else 0.0)
             if program is not None:

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext
+from torch._inductor.utils import get_donated_idxs
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from zcompile.compiler.blocks import block_of
@@ -331,6 +332,24 @@ def no_output_strides():
             tc.output_strides = old
 
 
+@contextlib.contextmanager
+def donated_inputs(positions: list[int] | None = None):
+    """Inductor lets a backward graph reuse, in place, the inputs AOTAutograd lists as donated (saved activations
+    nothing else holds), by their positions in the whole backward. A region or a block body has positions of its
+    own, and an input it receives may still be read by a later region: it donates `positions` (default none). A
+    region's code may serve other regions and other graphs (inductor's graph cache does not key on the list), so
+    only a graph compiled as one region donates, AOTAutograd's inputs at its own positions."""
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    old = getattr(meta, "bw_donated_idxs", None)
+    if meta is not None:
+        meta.bw_donated_idxs = list(positions or [])
+    try:
+        yield
+    finally:
+        if meta is not None:
+            meta.bw_donated_idxs = old
+
+
 @dataclasses.dataclass
 class RegionLayout:
     nodes: list[fx.Node]       # the region's computing nodes, in order
@@ -403,6 +422,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     keys = [key for (key, _, _, _, compiled), block in zip(planned, holds_block) if compiled and block]
     if len(keys) < min_reuse * len(set(keys)):
         return None
+    donated = set(get_donated_idxs() or ())  # AOTAutograd's, by placeholder position
     cache: dict[tuple, Callable] = {}  # compiled regions by key
     eager: dict[tuple, Callable] = {}  # regions run eagerly by key: one module serves every region doing the same
     steps, layout = [], []
@@ -411,7 +431,9 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
             found = cache if compiled else eager
             if key not in found:
                 sub = _region_module(gm, nodes, inputs, outputs, const)
-                found[key] = compile_one(sub, [x.meta["val"] for x in inputs]) if compiled else _run_eagerly(sub)
+                with donated_inputs([k for k, x in enumerate(inputs) if x.op == "placeholder" and slot[x] in donated]
+                                    if len(regions) == 1 else None):
+                    found[key] = compile_one(sub, [x.meta["val"] for x in inputs]) if compiled else _run_eagerly(sub)
             fn = found[key]
             mine = set(wanted[r])
             steps.append((fn, [slot[x] for x in inputs], [slot[o] if o in mine else None for o in outputs],
