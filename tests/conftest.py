@@ -17,3 +17,10 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# Every test worker forks from a server that imported (and worked out) once what each worker's first compile needs:
+# about 4 s less per world on 2 cores (tests/worker_preload.py).
+from zcompile.tools import launch  # noqa: E402
+
+launch.preload_in_workers("tests.worker_preload")

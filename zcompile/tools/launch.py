@@ -59,6 +59,18 @@ _IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRITON")
 _READ_AT_USE = {"TORCHINDUCTOR_CACHE_DIR"}
 
 
+_PRELOAD = ["torch", "torch.distributed", "zcompile"]
+
+
+def preload_in_workers(*modules: str) -> None:
+    """Have the fork server import `modules` too, once, before it forks any worker (the tests preload what every
+    worker's first compile would import and work out again: tests/worker_preload.py). Call it before the first
+    run_world; a benchmark that times cold compiles leaves it alone."""
+    if _start_context.cache_info().currsize:
+        raise RuntimeError("preload_in_workers: the fork server has started already")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 @functools.cache
 def _start_context():
     """Workers fork from a server process that imported torch once (forkserver), instead of each importing it
@@ -68,7 +80,7 @@ def _start_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn"), None
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "zcompile"])
+    ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx, {}
 
 
