@@ -92,12 +92,15 @@ def test_delayed_update_runs_beside_the_next_step_and_equals_a_one_step_stale_re
         assert ("update waited", steps) in at  # landed at the end
 
 
-@pytest.mark.parametrize("offload", [{"optimizer": "none"}, {"optimizer": "cpu"},
-                                     {"optimizer": "cpu", "delayed_update": True}])
-def test_zero_grad_without_a_step_drops_the_gradients(offload):
+@pytest.mark.parametrize("offload, set_to_none", [({"optimizer": "none"}, True), ({"optimizer": "cpu"}, True),
+                                                  ({"optimizer": "cpu", "delayed_update": True}, True),
+                                                  ({"optimizer": "cpu"}, False),
+                                                  ({"optimizer": "cpu", "delayed_update": True}, False)])
+def test_zero_grad_without_a_step_drops_the_gradients(offload, set_to_none):
     """An optimizer that steps host masters clears the parameters' gradients too at zero_grad (they stay on the
-    DTensors until a step moves them to the masters)."""
-    for out in run_world(2, workers.zero_grad_without_a_step, offload):
+    DTensors until a step moves them to the masters), also when it zeroes them in place (set_to_none=False): the
+    discarded micro-batch is not added in."""
+    for out in run_world(2, workers.zero_grad_without_a_step, offload, set_to_none):
         assert out["same"], out
 
 
@@ -130,6 +133,14 @@ def test_update_in_backward_steps_each_bucket_during_the_backward_and_equals_the
             assert len(handed) == 5 and max(handed) < end, events  # gpt3: 3 blocks, embeddings, final norm
             overlapped.append(min(t for event, t in events if event == "bucket update started") < end)
         assert any(overlapped), out["timeline"]  # (any: the thread may be scheduled late on a busy machine)
+
+
+def test_update_in_backward_follows_an_lr_scheduler():
+    """An lr scheduler stepped after each optimizer.step() (ordinary use, no error): each step's bucket updates,
+    made during its backward, use that step's learning rate, bit-identical to stepping everything in
+    optimizer.step()."""
+    for out in run_world(2, workers.update_in_backward, {"stage": 3, "backend": "eager"}, 4, "gpt", None, True):
+        assert out["losses"] == out["ref_losses"] and out["same"], out["max_diff"]
 
 
 @pytest.mark.parametrize("misuse, match", [

@@ -200,6 +200,25 @@ def test_writes_between_steps_reach_an_offloaded_optimizer(stage):
         assert out["host bytes of a plain step"]["device->cpu"] <= out["gradient bytes"] * 1.1, out
 
 
+def test_writes_between_steps_reach_an_update_made_during_the_backward():
+    """offload.update_in_backward: the next step's bucket updates, made during its backward, start from what was
+    written (p.mul_, load_state_dict), not from the host masters' older values."""
+    for out in run_world(2, user_workers.writes_with_offloaded_optimizer, 3, True):
+        assert out["in place"] == 0.0 and out["load_state_dict"] == 0.0, out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_part_compiled_apart_and_first_run_after_a_step_trains(stage):
+    """The optimizer holds the head's plain parameters from before training; the head is compiled and sharded only
+    at step 2, after the first optimizer.step(): from then on the optimizer steps the head's shards, as the
+    reference steps the head."""
+    ref = user_workers.late_compiled_part(None, 2, None)
+    assert ref["head moved"] > 1e-4
+    for out in run_world(2, user_workers.late_compiled_part, stage):
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(out["params"][name], value, **TOL, msg=name)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_an_averaged_model_copy_trains_evaluates_and_compiles_like_the_reference(stage):
     """AveragedModel deep-copies the sharded model (torch's Tensor.__deepcopy__ failed on a stage 1/2 DTensor whose
@@ -273,6 +292,7 @@ def test_a_second_backward_adds_and_backward_inputs_fill_only_those():
     for out in run_world(2, user_workers.gradients_where_backward_puts_them):
         assert out["twice"] == 0.0 and out["last"] == 0.0 and out["create_graph"] == 0.0, out
         assert out["only"] == [False, False, True, False], out
+        assert out["only_first"] == [True, False, False, False] and out["first"] == 0.0, out
         assert out["types"] == ["DTensor"], out
 
 

@@ -451,15 +451,18 @@ def replaced_tensors(rank: int | None, world: int, stage: int | None) -> dict:
     return out
 
 
-def writes_with_offloaded_optimizer(rank: int, world: int, stage: int) -> dict:
+def writes_with_offloaded_optimizer(rank: int, world: int, stage: int, in_backward: bool = False) -> dict:
     """With the optimizer offloaded (it steps host fp32 masters), writes to the parameters between steps, in place
-    (`p.mul_` under no_grad) or by load_state_dict, must reach what the next step updates. SGD with lr 0: after the
-    step each parameter holds exactly what was written. Also the host traffic of a step without writes."""
+    (`p.mul_` under no_grad) or by load_state_dict, must reach what the next step updates. SGD with lr 0 (CPUAdam
+    with lr 0 where the update runs during the backward, `in_backward`): after the step each parameter holds
+    exactly what was written. Also the host traffic of a step without writes."""
+    import zcompile
     from zcompile.runtime import offload_engine
     model = build_model("gpt")
     run = torch.compile(model, backend="zero", options={"config": {
-        "stage": stage, "backend": "eager", "offload": {"optimizer": "cpu"}}})
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        "stage": stage, "backend": "eager", "offload": {"optimizer": "cpu", "update_in_backward": in_backward}}})
+    opt = (zcompile.CPUAdam(model.parameters(), lr=0.0, weight_decay=0.0) if in_backward
+           else torch.optim.SGD(model.parameters(), lr=0.0))
     x = rank_slice(_batch(0, world), rank, world)
 
     def step():
@@ -484,6 +487,33 @@ def writes_with_offloaded_optimizer(rank: int, world: int, stage: int) -> dict:
         step()
         out[how] = max((_full(p) - before[n] * 0.5).abs().max().item() for n, p in model.named_parameters())
     return out
+
+
+def late_compiled_part(rank: int | None, world: int, stage: int | None, steps: int = 4) -> dict:
+    """An optimizer built before training over a model and an extra head compiled apart (a second torch.compile),
+    which first runs after the first optimizer.step() (a head enabled at step 2): the head trains, as in the
+    single-process reference (rank None)."""
+    torch.manual_seed(0)
+    model, head = build_model("gpt"), torch.nn.Linear(workers.VOCAB, 4)
+    opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=workers.LR, eps=workers.EPS)
+    before = _full(head.weight)
+    if rank is None:
+        run, run_head = model, head
+    else:
+        config = {"config": {"stage": stage, "backend": "eager"}}
+        run, run_head = (torch.compile(m, backend="zero", options=config) for m in (model, head))
+    for step in range(steps):
+        x = _batch(step, world)
+        total = 0
+        for r in range(world) if rank is None else [rank]:
+            out = run(x[:, :-1].chunk(world)[r], x[:, 1:].chunk(world)[r])
+            loss = out.loss + (run_head(out.logits).square().mean() if step >= 2 else 0)
+            total = total + loss / (world if rank is None else 1)
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": {n: _full(p) for n, p in [*model.named_parameters(), *head.named_parameters(prefix="head")]},
+            "head moved": (_full(head.weight) - before).abs().max().item()}
 
 
 def averaged_model(rank: int | None, world: int, stage: int | None) -> dict:
@@ -693,9 +723,15 @@ def gradients_where_backward_puts_them(rank: int, world: int) -> dict:
     only = [q.grad is not None for q in model.parameters()]
     last_diff = float((last.grad.full_tensor() - once[2]).abs().max())
     model.zero_grad()
+    first = model[0].weight  # a parameter the graph's backward reaches first: the others' gradients are made too
+    run(x).sum().backward(inputs=[first])
+    only_first = [q.grad is not None for q in model.parameters()]
+    first_diff = float((first.grad.full_tensor() - once[0]).abs().max())
+    model.zero_grad()
     run(x).sum().backward(create_graph=True)
     graph = max(float((q.grad.full_tensor() - g).abs().max()) for q, g in zip(model.parameters(), once))
-    return {"twice": twice, "only": only, "last": last_diff, "create_graph": graph,
+    return {"twice": twice, "only": only, "last": last_diff, "only_first": only_first, "first": first_diff,
+            "create_graph": graph,
             "types": sorted({type(q.grad).__name__ for q in model.parameters()})}
 
 
@@ -744,7 +780,8 @@ def adam_on_local_tensors(rank: int, world: int, config: dict) -> dict:
                     closure()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                     opt.step()
-            full = [p for p in ps] + [v for st in opt.state.values() for v in st.values() if v.dim()]
+            # parameters, moments, and the gradients left after the step (users log their norms after it)
+            full = ps + [v for st in opt.state.values() for v in st.values() if v.dim()] + [p.grad for p in ps]
             return [t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone() for t in full]
         finally:
             local_step.step_locally = real

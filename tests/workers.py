@@ -760,9 +760,10 @@ def delayed_update_with_torch_adamw(rank: int, world: int) -> None:
     train(rank, world, "gpt", config, 1)
 
 
-def zero_grad_without_a_step(rank: int, world: int, offload: dict) -> dict:
+def zero_grad_without_a_step(rank: int, world: int, offload: dict, set_to_none: bool = True) -> dict:
     """backward, optimizer.zero_grad(), backward, step: the same parameters as one backward and a step, also when
-    the optimizer steps host masters (offload: its zero_grad must clear the parameters' gradients too)."""
+    the optimizer steps host masters (offload: its zero_grad must clear the parameters' gradients too) and when
+    zero_grad keeps them as zeros (`set_to_none` false)."""
     device = zcompile.runtime.dist_context.DistContext.current().device
     out = []
     for skip in (False, True):
@@ -773,7 +774,7 @@ def zero_grad_without_a_step(rank: int, world: int, offload: dict) -> dict:
         for step in range(3):
             if skip and step == 1:  # a step the user skips: its gradients are dropped
                 loss_of(model, "gpt", rank_slice(global_batch(99, world), rank, world).to(device)).backward()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=set_to_none)
             loss_of(model, "gpt", rank_slice(global_batch(step, world), rank, world).to(device)).backward()
             opt.step()
             opt.zero_grad()
@@ -803,9 +804,10 @@ def zero_grad_keeping_tensors(rank: int, world: int, offload: dict, steps: int =
 
 
 def update_in_backward(rank: int, world: int, config: dict, steps: int = 4, name: str = "gpt3",
-                       offload: dict | None = None) -> dict:
+                       offload: dict | None = None, schedule: bool = False) -> dict:
     """offload.update_in_backward against the same compile path with the update inside optimizer.step(): losses,
-    parameters and CPUAdam's timeline (whose bucket updates start during the backward, from the second step on)."""
+    parameters and CPUAdam's timeline (whose bucket updates start during the backward, from the second step on).
+    `schedule`: an lr scheduler sets a new learning rate after every step."""
     device = zcompile.runtime.dist_context.DistContext.current().device
     runs = []
     for in_backward in (True, False):
@@ -814,12 +816,15 @@ def update_in_backward(rank: int, world: int, config: dict, steps: int = 4, name
         model = torch.compile(build_model(name).to(device), backend="zero",
                               options={"config": dict(config, offload=tiers)})
         opt = zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if schedule else None
         losses = []
         for step in range(steps):
             loss = loss_of(model, name, rank_slice(global_batch(step, world), rank, world).to(device))
             loss.backward()
             losses.append(loss.item())
             opt.step()
+            if sched is not None:
+                sched.step()
             opt.zero_grad()
         runs.append({"losses": losses, "timeline": list(opt.timeline),
                      "params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()}})
