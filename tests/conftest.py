@@ -19,8 +19,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-# Every test worker forks from a server that imported (and worked out) once what each worker's first compile needs:
-# about 4 s less per world on 2 cores (tests/worker_preload.py).
-from zcompile.tools import launch  # noqa: E402
-
-launch.preload_in_workers("tests.worker_preload")
+# Every test worker, also those of the benchmark scripts the tests run, forks from a server that imported (and worked
+# out) once what each worker's first compile needs: about 4 s less per world on 2 cores (tests/worker_preload.py).
+os.environ.setdefault("ZC_WORKER_PRELOAD", "tests.worker_preload")

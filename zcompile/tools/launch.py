@@ -59,16 +59,10 @@ _IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRITON")
 _READ_AT_USE = {"TORCHINDUCTOR_CACHE_DIR"}
 
 
-_PRELOAD = ["torch", "torch.distributed", "zcompile"]
-
-
-def preload_in_workers(*modules: str) -> None:
-    """Have the fork server import `modules` too, once, before it forks any worker (the tests preload what every
-    worker's first compile would import and work out again: tests/worker_preload.py). Call it before the first
-    run_world; a benchmark that times cold compiles leaves it alone."""
-    if _start_context.cache_info().currsize:
-        raise RuntimeError("preload_in_workers: the fork server has started already")
-    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+# Modules the fork server imports besides torch and zcompile, comma-separated: the tests name
+# tests/worker_preload.py (what each worker's first compile would import and work out again), also for the benchmark
+# scripts they run; a benchmark of cold compiles run by hand leaves it unset.
+PRELOAD_ENV = "ZC_WORKER_PRELOAD"
 
 
 @functools.cache
@@ -80,7 +74,8 @@ def _start_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn"), None
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_PRELOAD))
+    extra = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m]
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zcompile", *extra])
     return ctx, {}
 
 
