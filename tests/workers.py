@@ -760,17 +760,22 @@ def delayed_update_with_torch_adamw(rank: int, world: int) -> None:
     train(rank, world, "gpt", config, 1)
 
 
+def _offloaded_gpt(offload: dict):
+    """After a dynamo reset: the test GPT compiled at stage 3 (eager) with `offload`, CPUAdam over it, the device."""
+    device = zcompile.runtime.dist_context.DistContext.current().device
+    reset_dynamo()
+    model = torch.compile(build_model("gpt").to(device), backend="zero",
+                          options={"config": {"stage": 3, "backend": "eager", "offload": offload}})
+    return model, zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS), device
+
+
 def zero_grad_without_a_step(rank: int, world: int, offload: dict, set_to_none: bool = True) -> dict:
     """backward, optimizer.zero_grad(), backward, step: the same parameters as one backward and a step, also when
     the optimizer steps host masters (offload: its zero_grad must clear the parameters' gradients too) and when
     zero_grad keeps them as zeros (`set_to_none` false)."""
-    device = zcompile.runtime.dist_context.DistContext.current().device
     out = []
     for skip in (False, True):
-        reset_dynamo()
-        model = torch.compile(build_model("gpt").to(device), backend="zero",
-                              options={"config": {"stage": 3, "backend": "eager", "offload": offload}})
-        opt = zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
+        model, opt, device = _offloaded_gpt(offload)
         for step in range(3):
             if skip and step == 1:  # a step the user skips: its gradients are dropped
                 loss_of(model, "gpt", rank_slice(global_batch(99, world), rank, world).to(device)).backward()
@@ -786,13 +791,9 @@ def zero_grad_keeping_tensors(rank: int, world: int, offload: dict, steps: int =
     """The same training with opt.zero_grad(set_to_none=False) after each step as with set_to_none=True: zeroing
     gradients in place must not reach an update still running on CPUAdam's thread (delayed_update) or one made
     during the backward (update_in_backward)."""
-    device = zcompile.runtime.dist_context.DistContext.current().device
     out = []
     for set_to_none in (True, False):
-        reset_dynamo()
-        model = torch.compile(build_model("gpt").to(device), backend="zero",
-                              options={"config": {"stage": 3, "backend": "eager", "offload": offload}})
-        opt = zcompile.CPUAdam(model.parameters(), lr=LR, eps=EPS)
+        model, opt, device = _offloaded_gpt(offload)
         for step in range(steps):
             loss_of(model, "gpt", rank_slice(global_batch(step, world), rank, world).to(device)).backward()
             opt.step()
