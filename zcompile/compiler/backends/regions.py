@@ -31,7 +31,6 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext
-from torch._inductor.utils import get_donated_idxs
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from zcompile.compiler.blocks import block_of
@@ -422,6 +421,7 @@ def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Calla
     keys = [key for (key, _, _, _, compiled), block in zip(planned, holds_block) if compiled and block]
     if len(keys) < min_reuse * len(set(keys)):
         return None
+    from torch._inductor.utils import get_donated_idxs  # (inductor's import is left to the compile)
     donated = set(get_donated_idxs() or ())  # AOTAutograd's, by placeholder position
     cache: dict[tuple, Callable] = {}  # compiled regions by key
     eager: dict[tuple, Callable] = {}  # regions run eagerly by key: one module serves every region doing the same
