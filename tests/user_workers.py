@@ -506,7 +506,8 @@ def late_compiled_part(rank: int | None, world: int, stage: int | None, steps: i
         x = _batch(step, world)
         total = 0
         for r in range(world) if rank is None else [rank]:
-            out = run(x[:, :-1].chunk(world)[r], x[:, 1:].chunk(world)[r])
+            mine = rank_slice(x, r, world)
+            out = run(mine[:, :-1], mine[:, 1:])
             loss = out.loss + (run_head(out.logits).square().mean() if step >= 2 else 0)
             total = total + loss / (world if rank is None else 1)
         total.backward()

@@ -317,21 +317,25 @@ def _layout(v) -> tuple:
 
 
 @contextlib.contextmanager
-def no_output_strides():
-    """Each region's compile would report its output strides to AOTAutograd, which expects one report per graph
-    (and a trial compile, the memory planner's, none)."""
-    tc = TracingContext.try_get()
-    old = tc.output_strides if tc is not None else None
-    if tc is not None:
-        tc.output_strides = None
+def _swapped(obj, attr: str, value):
+    """`obj.attr` set to `value` for the block (nothing where `obj` is None)."""
+    if obj is None:
+        yield
+        return
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
     try:
         yield
     finally:
-        if tc is not None:
-            tc.output_strides = old
+        setattr(obj, attr, old)
 
 
-@contextlib.contextmanager
+def no_output_strides():
+    """Each region's compile would report its output strides to AOTAutograd, which expects one report per graph
+    (and a trial compile, the memory planner's, none)."""
+    return _swapped(TracingContext.try_get(), "output_strides", None)
+
+
 def donated_inputs(positions: list[int] | None = None):
     """Inductor lets a backward graph reuse, in place, the inputs AOTAutograd lists as donated (saved activations
     nothing else holds), by their positions in the whole backward. A region or a block body has positions of its
@@ -339,14 +343,7 @@ def donated_inputs(positions: list[int] | None = None):
     region's code may serve other regions and other graphs (inductor's graph cache does not key on the list), so
     only a graph compiled as one region donates, AOTAutograd's inputs at its own positions."""
     meta = getattr(TracingContext.try_get(), "fw_metadata", None)
-    old = getattr(meta, "bw_donated_idxs", None)
-    if meta is not None:
-        meta.bw_donated_idxs = list(positions or [])
-    try:
-        yield
-    finally:
-        if meta is not None:
-            meta.bw_donated_idxs = old
+    return _swapped(meta, "bw_donated_idxs", list(positions or []))
 
 
 @dataclasses.dataclass
