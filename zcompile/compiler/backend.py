@@ -15,6 +15,7 @@ masters, the compiled graph and the function that runs it. `zcompile plan` compi
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import itertools
@@ -36,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from zcompile import config as zconfig
 from zcompile.compiler import backends, collectives, liveness, passes, planner, schedule_check, timeline
 from zcompile.compiler import activation_plan, aot_graph_logs, before_trace, block_regions, fake_values, graph_cache
-from zcompile.compiler import recompute, trace_blocks_once, wrapper_memory
+from zcompile.compiler import blocks, recompute, trace_blocks_once, wrapper_memory
 from zcompile.compiler.backends import regions
 from zcompile.runtime import dtensor_params, groups, memory_trace, nonfinite, offload_engine, shard_store
 from zcompile.runtime import collective_traffic
@@ -120,6 +121,8 @@ class _GraphCompile:
         self.dump = GraphDumper(cfg.dump_dir, ctx.rank, self.graph_id)
         self.final: dict[str, fx.GraphModule] = {}
         self.planned: dict[str, liveness.Liveness] = {}  # liveness of each final graph, as compiled
+        self.code_layouts: dict = {}  # (kind, _identity) -> what inductor's code allocates (code_liveness)
+        self.trials: dict | None = None  # within plan_activations: (graphs' _identity, offloaded) -> FX step peak
         self.notes: list[str] = []  # planner decisions, shown at the top of every dump of this graph
         self.num_fwd_outputs = 0
         self.offloaded: dict[str, int] = {}  # saved activations the forward sends to the host, by name
@@ -173,7 +176,7 @@ class _GraphCompile:
             self.notes.append(f"bucket_collectives: the {kind} planned a step peak of {liveness.fmt(peak)}, over "
                               f"memory_budget {liveness.fmt(budget)}: split again with "
                               + (f"buckets of up to {liveness.fmt(cap)}" if cap else "one collective per parameter"))
-            gm = fx.GraphModule(gm, placement.copy_graph(original))
+            gm = _copy(gm, original)
 
     def _split_once(self, gm: fx.GraphModule, kind: str, trial: dict | None, offload_saved: frozenset | None,
                     cap: float | None) -> tuple[fx.GraphModule, PassContext]:
@@ -208,14 +211,22 @@ class _GraphCompile:
         """(the FX plan's step peak, the compiled code's) of `graphs`, from one run of the split passes on copies:
         the copies are compiled only where the code is followed (follows_code) and the FX peak is within
         `compile_within`; otherwise the second is the first."""
+        key = None
+        if self.trials is not None:  # within plan_activations: later rounds plan the same graphs again
+            key = (tuple((kind, _identity(gm)) for kind, gm in graphs.items()), offload_saved)
+            peak = self.trials.get(key)
+            if peak is not None and (compile_within is None or peak > compile_within or not self.follows_code()):
+                return peak, peak
         scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
-        copies = {kind: fx.GraphModule(gm, placement.copy_graph(gm.graph)) for kind, gm in graphs.items()}
+        copies = {kind: _copy(gm) for kind, gm in graphs.items()}
         self.mark_released(copies)
         split = {kind: self.split_passes(gm, kind, trial=scratch, offload_saved=offload_saved)[0]
                  for kind, gm in copies.items()}
         lives = {kind: liveness.analyze(gm) for kind, gm in split.items()}
         state = planner.model_state(list(self.params.values()))
         peak = planner.step_peak(state, lives, self.cfg.accumulate_grads)
+        if key is not None:
+            self.trials[key] = peak
         if compile_within is None or peak > compile_within or not self.follows_code():
             return peak, peak
         with self.timed("trial compile"):
@@ -230,10 +241,13 @@ class _GraphCompile:
     def code_liveness(self, gm: fx.GraphModule, kind: str, planned: liveness.Liveness) -> liveness.Liveness:
         """`planned` with its peak from inductor's code for `gm`, compiled here as commit_graph will (a trial: the
         compile reports nothing to AOTAutograd; inductor's cache serves the same compile later)."""
-        fakes = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        with regions.no_output_strides():
-            program = backends.compile_graph(self.cfg.backend, gm, fakes, kind, self.cfg.regional_compile)
-        layout = getattr(program, "layout", None)
+        key = (kind, _identity(gm))
+        if key not in self.code_layouts:  # a plan found again in a later round, or the final graphs check_budget reads
+            fakes = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+            with regions.no_output_strides():
+                program = backends.compile_graph(self.cfg.backend, gm, fakes, kind, self.cfg.regional_compile)
+            self.code_layouts[key] = getattr(program, "layout", None)
+        layout = self.code_layouts[key]
         return wrapper_memory.graph_liveness(gm, planned, layout) if layout else planned
 
     def mark_compiler(self, gm: fx.GraphModule) -> None:
@@ -265,16 +279,23 @@ class _GraphCompile:
         budget = self.cfg.memory_budget_bytes(self.ctx.device)
         if budget is None or not self.cfg.plan_activations:
             return fw, bw
+        self.trials = {}
+        try:
+            return self._plan_activations(fw, bw, min_cut, budget)
+        finally:
+            self.trials = None
+
+    def _plan_activations(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut, budget: int
+                          ) -> tuple[fx.GraphModule, fx.GraphModule]:
         with self.timed("activation plan"):
             peak, code = self.trial_peaks({"forward": fw, "backward": bw}, compile_within=budget)
             if code <= budget:
                 return fw, bw
-            originals = [fx.GraphModule(gm, placement.copy_graph(gm.graph)) for gm in (fw, bw)
-                         ] if self.follows_code() else []
+            originals = [_copy(gm) for gm in (fw, bw)] if self.follows_code() else []
             target = budget - (code - peak)
             for round_ in range(PLAN_ROUNDS):
                 if round_:  # the rewrite works in place: start again from copies of the partition
-                    fw, bw = (_lazy(fx.GraphModule(g, placement.copy_graph(g.graph))) for g in originals)
+                    fw, bw = (_copy(g) for g in originals)
                 f, b, planned = self._plan_for(fw, bw, min_cut, peak, target, budget)
                 if not self.follows_code():
                     break
@@ -353,7 +374,7 @@ class _GraphCompile:
         options, kept = activation_plan.options(fw, n_out, cost, self.ctx.device, self.cfg.offload.activation_min_bytes)
 
         def peak_of(chosen):
-            f, b = (fx.GraphModule(gm, placement.copy_graph(gm.graph)) for gm in (fw, bw))
+            f, b = (_copy(gm) for gm in (fw, bw))
             chosen, _ = activation_plan.apply(f, b, n_out, chosen, cost)
             offload = frozenset(c.name for c in chosen if c.action == "offload")
             try:
@@ -413,6 +434,7 @@ class _GraphCompile:
         if self.follows_code():
             with self.timed("trial compile"):
                 lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in graphs.items()}
+        self.code_layouts.clear()  # they hold the trials' graphs
         self._note_unbounded_sizes(graphs)
         zps = list(self.params.values())
         state = planner.model_state(zps)
@@ -453,39 +475,44 @@ class _GraphCompile:
             return
         raise MemoryBudgetError(msg)
 
-    def seed_random_ops(self, gm: fx.GraphModule) -> None:
-        """Inductor lowers random ops (dropout's `rand`) only as its joint-graph pass rewrites them: seeded
-        `inductor_random`, one seed per op. torch.compile runs that pass in its own partition function; zcompile
-        partitions itself, so it runs the pass here (the graph then also keeps the seeds for the backward)."""
+    def joint_graph_passes(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Inductor's joint-graph passes, which torch.compile runs in its own partition function and zcompile, which
+        partitions itself, runs here (backend inductor; off with torch._inductor.config.use_joint_graph_passes):
+        among them the seeding of random ops (dropout's `rand` becomes seeded `inductor_random`, the seeds kept for
+        the backward) and scatter_upon_const_tensor, without which the NLL loss's backward writes a logits-size
+        fp32 buffer of zeros before scattering into it."""
         if self.cfg.backend != "inductor":
-            return
-        from torch._inductor.fx_passes.replace_random import replace_random_passes
+            return gm
+        from torch._inductor.compile_fx import _recursive_joint_graph_passes
         from torch._inductor.virtualized import V
-        from torch.fx.passes.tools_common import legalize_graph
         fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
-        with V.set_fake_mode(fake_mode):
-            changed = replace_random_passes(gm)
-        if changed:
-            legalize_graph(gm)
-            gm.graph.lint()
-            gm.recompile()
+        with self.timed("joint graph passes"), V.set_fake_mode(fake_mode):
+            return _recursive_joint_graph_passes(gm, skip_invoke_subgraph=True)  # regions: partition_region
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         self.dump("joint", "input", joint)
+        joint = self.joint_graph_passes(joint)
         with self.timed("zcompile passes"):
             joint = passes.run_phase("joint", joint, self.pctx("joint"), self.dumper("joint"))
-        self.seed_random_ops(joint)
         # lazy graph modules: the passes change both graphs, and what runs them (regions, inductor) reads the graph,
         # so their Python code is generated only if something calls or prints them
+        cuts: dict = {}  # fraction -> its partition: each round of the budget's search asks for the same ones
+
         def min_cut(fraction: float | None = None):
             # the partitioner's knapsack keeps `fraction` of the activation memory it can choose to save (None: as
             # torch is configured); on a copy: the budget's search partitions the joint graph again
+            if fraction in cuts:
+                return tuple(_copy(gm) for gm in cuts[fraction])  # the search rewrites what it is handed
             knapsack = contextlib.nullcontext() if fraction is None else \
                 torch._functorch.config.patch(activation_memory_budget=fraction)
             with self.timed("partition"), _use_lazy_graph_module(True), knapsack:
                 fw, bw = min_cut_rematerialization_partition(fx.GraphModule(joint, placement.copy_graph(joint.graph)),
                                                              joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-                return fw, _lazy(bw)  # the partitioner rebuilds the backward as a plain GraphModule when it reorders
+                bw = _lazy(bw)  # the partitioner rebuilds the backward as a plain GraphModule when it reorders
+            if fraction is None:
+                return fw, bw
+            cuts[fraction] = fw, bw
+            return _copy(fw), _copy(bw)
 
         fw, bw = min_cut()
         if self.regions_kept:
@@ -511,6 +538,7 @@ class _GraphCompile:
         primals = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
         pctx = PassContext(self.cfg, self.ctx, "joint", params, len(primals), self.topology,
                            num_fwd_outputs=num_fwd_outputs)
+        joint = self.joint_graph_passes(joint)
         with self.timed("zcompile passes"):
             joint = passes.run_phase("joint", joint, pctx)
         with self.timed("partition"):
@@ -542,7 +570,7 @@ class _GraphCompile:
         if kind == "inference":
             if self.regions_kept:
                 trace_blocks_once.inline(gm)
-            self.seed_random_ops(gm)
+            gm = self.joint_graph_passes(gm)
             self.plan_persistence({"inference": gm})
             gm, pctx = self.split_passes(gm, kind)
             self.check_budget({"inference": gm})
@@ -665,6 +693,26 @@ class _GraphCompile:
 
         run_graph._boxed_call = True
         return run_graph
+
+
+def _copy(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
+    """A copy of `gm` (of `graph`, if given) to transform, as a _LazyGraphModule: the budget's search copies and
+    splits graphs dozens of times, and generating each copy's Python code took a fifth of its time."""
+    new = _LazyGraphModule(gm, placement.copy_graph(gm.graph if graph is None else graph))
+    new.meta.update({k: copy.copy(v) for k, v in gm.meta.items()})  # a new GraphModule starts with empty meta
+    return new
+
+
+def _identity(gm: fx.GraphModule) -> int:
+    """What inductor's code for `gm` depends on, hashed: per node its op, target and arguments (nodes by name), what
+    regions cut by and wrapper_memory counts (block, released, tier) and each placeholder's layout. Two graphs with
+    the same identity compile to the same code. (Not gm.code: generating it costs ten times as much.)"""
+    def layout(v):
+        return (tuple(map(str, v.shape)), tuple(map(str, v.stride())), v.dtype, v.device.type) \
+            if isinstance(v, torch.Tensor) else str(v)
+    return hash(tuple((n.name, n.op, str(n.target), repr(n.args), repr(n.kwargs), blocks.block_of(n),
+                       n.meta.get(liveness.RELEASED), n.meta.get("zc_tier"),
+                       layout(n.meta.get("val")) if n.op == "placeholder" else None) for n in gm.graph.nodes))
 
 
 def _lazy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -79,7 +79,7 @@ def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
     """Why a region's body cannot stay a region, or None; each distinct body is traced once to aten ops (as the
     HOP's own schema check does). A body that writes its operands: the HOP refuses training through it. Random
     ops (dropout): inductor seeds them in its joint passes, which a region's partition would run without the
-    seeds zcompile threads through the outer graph (seed_random_ops)."""
+    seeds zcompile threads through the outer graph (backend._GraphCompile.joint_graph_passes)."""
     from torch._guards import detect_fake_mode
     from torch._higher_order_ops.utils import check_input_alias_and_mutation_return_outputs, materialize_as_graph
     # dynamo's fake values (symbolic sizes under dynamic shapes); example_inputs only where a node has none
