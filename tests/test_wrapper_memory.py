@@ -1,4 +1,5 @@
 """wrapper_memory: the memory inductor's generated code allocates, against the CPU allocator and by hand."""
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -107,3 +108,38 @@ def test_code_it_cannot_follow_gives_no_peak():
     odd = _CODE.replace("buf0 = empty_strided_cpu", "buf0 = torch.empty_like(in0); _ = empty_strided_cpu")
     assert simulate(odd.replace("ks0", "in2"), _inputs(False, x, q)) is None
     assert simulate("def f():\n    pass\n", []) is None
+
+
+def _two_blocks(x, w1, w2, w3):
+    """Two blocks and a head: the first block's result is read last by the second (whose code
+    frees it), a small value of the first block's crosses the second's region to the head."""
+    a = (torch.relu(x @ w1) * 2) @ w1.t()
+    s = a.mean(0)
+    b = (torch.relu(a @ w2) * 2) @ w2.t()
+    return ((b @ w3).sum() + s.sum(),)
+
+
+@pytest.mark.parametrize("wide", [512, 1024])
+def test_the_plan_of_a_regional_program_is_what_the_allocator_sees(wide):
+    """graph_liveness over regions compiled apart: the bytes alive as each region starts (values earlier regions
+    computed, until the region reading them last; not the transpose of a weight, a view of a caller-held input)
+    plus the most that region's code holds above them, against the CPU allocator's highest rise over the whole
+    program (its inputs held by the caller). The peak is in the first block's region, or with the second block
+    wider, in the second's."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(256, 128), torch.randn(128, 512), torch.randn(128, wide), torch.randn(128, 8)]
+    from torch._inductor.decomposition import select_decomp_table
+    gm = make_fx(_two_blocks, select_decomp_table(), tracing_mode="fake")(*inputs)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    mms = [k for k, n in enumerate(calls) if n.target is torch.ops.aten.mm.default]
+    for k, n in enumerate(calls):  # as dynamo records them: blocks.0 and blocks.1, then the head (no block)
+        path = "blocks.0" if k < mms[2] else "blocks.1" if k < mms[4] else "head"
+        n.meta["nn_module_stack"] = {path: (path, torch.nn.Module)}
+    liveness.compiled_by_inductor(gm, True)
+    program = backends.compile_graph("inductor", gm, list(inputs), "forward", True)
+    assert len(program.layout) >= 3 and sum(r.code is not None for r in program.layout) >= 2, program.layout
+    program(list(inputs))  # warm: the first call loads the kernels
+    measured = min(highest_rise(allocator_events(lambda: program(list(inputs)))) for _ in range(3))
+    planned = wrapper_memory.graph_liveness(gm, liveness.analyze(gm), program.layout)
+    assert "inductor's code" in planned.peak_node, planned.peak_node
+    assert abs(planned.peak_bytes - measured) <= 1024, (planned.peak_bytes, measured, planned.peak_node)

@@ -259,6 +259,8 @@ def _entering(gm: fx.GraphModule, layout: list, by_name: dict[str, fx.Node]) -> 
     for o in gm.graph.output_node().all_input_nodes:
         last[o.name] = len(layout)
     made = {n.name: r for r, region in enumerate(layout) for n in region.nodes}
+    held = {StorageWeakRef(ph.meta["val"].untyped_storage()) for ph in gm.graph.find_nodes(op="placeholder")
+            if isinstance(ph.meta.get("val"), torch.Tensor) and not ph.meta.get(liveness.RELEASED)}
     out = []
     for r in range(len(layout)):
         stores: dict = {}
@@ -268,6 +270,8 @@ def _entering(gm: fx.GraphModule, layout: list, by_name: dict[str, fx.Node]) -> 
             if until < r or not isinstance(val, torch.Tensor) or node.meta.get("zc_tier") in ("cpu", "nvme"):
                 continue
             if node.op == "placeholder" and not node.meta.get(liveness.RELEASED):
+                continue
+            if StorageWeakRef(val.untyped_storage()) in held:  # a view of a caller-held input (a weight's transpose)
                 continue
             if node.op != "placeholder" and made.get(name, r) >= r:
                 continue
