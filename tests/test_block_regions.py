@@ -153,9 +153,9 @@ def test_kept_regions_with_dynamic_dims_that_differ_between_ranks():
         assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
 
 
-def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int):
+def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int, totals: list | None = None):
     """_train, and how many distinct regions each regional compile built (compile_one stubbed: the regions run
-    eagerly, so the test pays no inductor compile)."""
+    eagerly, so the test pays no inductor compile); `totals` collects how many regions each program runs."""
     from zcompile.compiler.backends import regions
     counts, cut = [], regions.compile_regions
 
@@ -165,9 +165,18 @@ def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int
         def one(sub, fakes):
             counts[-1] += 1
             return regions._run_eagerly(sub)
-        return cut(gm, example_inputs, one, *args, **kwargs)
+        program = cut(gm, example_inputs, one, *args, **kwargs)
+        if totals is not None and program is not None:
+            totals.append((program.regions, program.compiled_regions))
+        return program
     regions.compile_regions = compile_regions
     return _train(rank, world, name, config, steps), counts
+
+
+def _regions_run(rank: int, world: int, name: str, config: dict, steps: int):
+    totals: list = []
+    res, counts = _regions_compiled(rank, world, name, config, steps, totals)
+    return res, counts, totals
 
 
 def test_kept_regions_compile_one_forward_and_one_backward_block():
@@ -176,9 +185,11 @@ def test_kept_regions_compile_one_forward_and_one_backward_block():
     embeddings' backward; the forward and the backward each compile one block region (3 before)."""
     ref_params, ref_losses = workers.reference("gpt3", 2, steps=2)
     config = {"stage": 3, "backend": "inductor", "regional_compile": True, "keep_block_regions": True}
-    for rank, (res, counts) in enumerate(run_world(2, _regions_compiled, "gpt3", config, 2)):
+    for rank, (res, counts, totals) in enumerate(run_world(2, _regions_run, "gpt3", config, 2)):
         assert res["kept"] and all(res["kept"]), res["kept"]
         assert counts == [1, 1], counts  # forward, backward
+        # 8 regions each, 3 running compiled code (one per block), 5 glue regions run eagerly around them
+        assert totals == [(8, 3), (8, 3)], totals
         assert max_diff(res["params"], ref_params) < TOL, rank
         assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
 

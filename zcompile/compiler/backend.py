@@ -200,17 +200,19 @@ class _GraphCompile:
         return timeline.CostModel.cpu() if self.ctx.device.type == "cpu" else timeline.CostModel()  # meta: a plan
 
     def trial_peak(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset(),
-                   compiled: bool = False) -> int:
+                   compiled: bool = False, over: float | None = None) -> int:
         """The planned step peak of `graphs` (kind -> graph), from the split passes run on copies of them
         (parameters not yet decided whole count as sharded). `compiled`: with the copies compiled as they will be,
-        where inductor's code says what it allocates (wrapper_memory; the FX plan with backend eager)."""
-        return self.trial_peaks(graphs, offload_saved, float("inf") if compiled else None)[1]
+        where inductor's code says what it allocates (wrapper_memory; the FX plan with backend eager); `over`: the
+        compiles stop once the graphs compiled so far, the backward first, put the step over it (the others could
+        only add), and the peak returned is theirs."""
+        return self.trial_peaks(graphs, offload_saved, float("inf") if compiled else None, over)[1]
 
     def trial_peaks(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset(),
-                    compile_within: float | None = None) -> tuple[int, int]:
+                    compile_within: float | None = None, over: float | None = None) -> tuple[int, int]:
         """(the FX plan's step peak, the compiled code's) of `graphs`, from one run of the split passes on copies:
         the copies are compiled only where the code is followed (follows_code) and the FX peak is within
-        `compile_within`; otherwise the second is the first."""
+        `compile_within`; otherwise the second is the first. `over`: as in trial_peak."""
         key = None
         if self.trials is not None:  # within plan_activations: later rounds plan the same graphs again
             key = (tuple((kind, _identity(gm)) for kind, gm in graphs.items()), offload_saved)
@@ -229,9 +231,13 @@ class _GraphCompile:
             self.trials[key] = peak
         if compile_within is None or peak > compile_within or not self.follows_code():
             return peak, peak
+        code: dict[str, liveness.Liveness] = {}
         with self.timed("trial compile"):
-            lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in split.items()}
-        return peak, planner.step_peak(state, lives, self.cfg.accumulate_grads)
+            for kind in sorted(split, key=lambda k: k != "backward"):  # where inductor's code outgrows the plan
+                code[kind] = self.code_liveness(split[kind], kind, lives[kind])
+                if over is not None and planner.step_peak(state, code, self.cfg.accumulate_grads) > over:
+                    return peak, planner.step_peak(state, code, self.cfg.accumulate_grads)
+        return peak, planner.step_peak(state, code, self.cfg.accumulate_grads)
 
     def follows_code(self) -> bool:
         """Whether the planned peak comes from the compiled code (wrapper_memory): inductor in regions or one
@@ -299,7 +305,7 @@ class _GraphCompile:
                 f, b, planned = self._plan_for(fw, bw, min_cut, peak, target, budget)
                 if not self.follows_code():
                     break
-                code = self.trial_peak({"forward": f, "backward": b}, self.offload_saved, compiled=True)
+                code = self.trial_peak({"forward": f, "backward": b}, self.offload_saved, compiled=True, over=budget)
                 if code <= budget:
                     break
                 lower = min(target, planned) - (code - budget)  # below this plan's FX peak: another plan
