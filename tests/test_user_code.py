@@ -298,7 +298,8 @@ def test_a_second_backward_adds_and_backward_inputs_fill_only_those():
 
 def test_adam_steps_the_dtensors_local_tensors_bit_identically():
     """Issue 56: Adam/AdamW over zcompile's DTensor parameters run on their local tensors (no DTensor dispatch per
-    parameter); from the second step on (the first makes the state) in every setting, with the same parameters and
+    parameter); from the second step on (the first makes the state) in every setting (two groups: each its own lr,
+    moved by a scheduler every step), with the same parameters and
     moments bit for bit; an optimizer hook of its own or a closure leaves the step to torch. (Stage 2's DTensors
     take the same path: the parity tests' AdamW runs it at every stage against the single-process reference.)"""
     config = {"stage": 3, "backend": "eager"}

@@ -737,7 +737,7 @@ def gradients_where_backward_puts_them(rank: int, world: int) -> dict:
 
 
 ADAM_SETTINGS = {
-    "adamw foreach, two groups": (torch.optim.AdamW, dict(foreach=True), True),
+    "adamw foreach, two groups": (torch.optim.AdamW, dict(foreach=True), True),  # lr per group, a scheduler
     "adamw fused": (torch.optim.AdamW, dict(fused=True), False),
     "adam amsgrad maximize, per tensor": (torch.optim.Adam, dict(foreach=False, amsgrad=True, maximize=True,
                                                                weight_decay=0.05), False),
@@ -765,8 +765,9 @@ def adam_on_local_tensors(rank: int, world: int, config: dict) -> dict:
             model = torch.compile(build_model("gpt"), backend="zero", options={"config": config})
             loss_of(model, "gpt", _x(rank, world, 0))  # shards the parameters: the optimizer sees the DTensors
             ps = list(model.parameters())
-            opt = cls([{"params": ps[::2]}, {"params": ps[1::2], "weight_decay": 0.0}] if groups else ps,
+            opt = cls([{"params": ps[::2]}, {"params": ps[1::2], "weight_decay": 0.0, "lr": 3e-3}] if groups else ps,
                       lr=1e-2, **kwargs)
+            sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.8) if groups else None  # each group's lr moves
             if variant == "hook":
                 opt.register_step_pre_hook(lambda *a: None)
             for i in range(4):
@@ -781,6 +782,8 @@ def adam_on_local_tensors(rank: int, world: int, config: dict) -> dict:
                     closure()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                     opt.step()
+                if sched is not None:
+                    sched.step()
             # parameters, moments, and the gradients left after the step (users log their norms after it)
             full = ps + [v for st in opt.state.values() for v in st.values() if v.dim()] + [p.grad for p in ps]
             return [t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone() for t in full]
