@@ -486,13 +486,17 @@ class _GraphCompile:
         partitions itself, runs here (backend inductor; off with torch._inductor.config.use_joint_graph_passes):
         among them the seeding of random ops (dropout's `rand` becomes seeded `inductor_random`, the seeds kept for
         the backward) and scatter_upon_const_tensor, without which the NLL loss's backward writes a logits-size
-        fp32 buffer of zeros before scattering into it."""
+        fp32 buffer of zeros before scattering into it. Not constant_fold_uniform_value: it makes one node of the
+        uniform constants every block computes (Hugging Face Llama's), which the regional cut then reads from
+        another block's region, before it is computed (a nested body) or after it was freed (regions)."""
         if self.cfg.backend != "inductor":
             return gm
+        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import _recursive_joint_graph_passes
         from torch._inductor.virtualized import V
         fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
-        with self.timed("joint graph passes"), V.set_fake_mode(fake_mode):
+        with self.timed("joint graph passes"), V.set_fake_mode(fake_mode), \
+                inductor_config.patch(joint_graph_constant_folding=False):
             return _recursive_joint_graph_passes(gm, skip_invoke_subgraph=True)  # regions: partition_region
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
