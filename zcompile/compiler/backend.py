@@ -18,6 +18,7 @@ import contextlib
 import copy
 import functools
 import gc
+import inspect
 import itertools
 import time
 import warnings
@@ -497,7 +498,9 @@ class _GraphCompile:
         fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
         with self.timed("joint graph passes"), V.set_fake_mode(fake_mode), \
                 inductor_config.patch(joint_graph_constant_folding=False):
-            return _recursive_joint_graph_passes(gm, skip_invoke_subgraph=True)  # regions: partition_region
+            if "skip_invoke_subgraph" in inspect.signature(_recursive_joint_graph_passes).parameters:
+                return _recursive_joint_graph_passes(gm, skip_invoke_subgraph=True)  # regions: partition_region
+            return _recursive_joint_graph_passes(gm)  # an older torch
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         self.dump("joint", "input", joint)
