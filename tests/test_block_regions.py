@@ -153,11 +153,11 @@ def test_kept_regions_with_dynamic_dims_that_differ_between_ranks():
         assert res["losses"] == pytest.approx([l[rank] for l in ref_losses], abs=1e-4)
 
 
-def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int, totals: list | None = None):
-    """_train, and how many distinct regions each regional compile built (compile_one stubbed: the regions run
-    eagerly, so the test pays no inductor compile); `totals` collects how many regions each program runs."""
+def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int):
+    """_train, how many distinct regions each regional compile built (compile_one stubbed: the regions run eagerly,
+    so the test pays no inductor compile), and per program how many regions it runs and how many run compiled."""
     from zcompile.compiler.backends import regions
-    counts, cut = [], regions.compile_regions
+    counts, totals, cut = [], [], regions.compile_regions
 
     def compile_regions(gm, example_inputs, compile_one, *args, **kwargs):
         counts.append(0)
@@ -166,17 +166,11 @@ def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int
             counts[-1] += 1
             return regions._run_eagerly(sub)
         program = cut(gm, example_inputs, one, *args, **kwargs)
-        if totals is not None and program is not None:
+        if program is not None:
             totals.append((program.regions, program.compiled_regions))
         return program
     regions.compile_regions = compile_regions
-    return _train(rank, world, name, config, steps), counts
-
-
-def _regions_run(rank: int, world: int, name: str, config: dict, steps: int):
-    totals: list = []
-    res, counts = _regions_compiled(rank, world, name, config, steps, totals)
-    return res, counts, totals
+    return _train(rank, world, name, config, steps), counts, totals
 
 
 def test_kept_regions_compile_one_forward_and_one_backward_block():
@@ -185,7 +179,7 @@ def test_kept_regions_compile_one_forward_and_one_backward_block():
     embeddings' backward; the forward and the backward each compile one block region (3 before)."""
     ref_params, ref_losses = workers.reference("gpt3", 2, steps=2)
     config = {"stage": 3, "backend": "inductor", "regional_compile": True, "keep_block_regions": True}
-    for rank, (res, counts, totals) in enumerate(run_world(2, _regions_run, "gpt3", config, 2)):
+    for rank, (res, counts, totals) in enumerate(run_world(2, _regions_compiled, "gpt3", config, 2)):
         assert res["kept"] and all(res["kept"]), res["kept"]
         assert counts == [1, 1], counts  # forward, backward
         # 8 regions each, 3 running compiled code (one per block), 5 glue regions run eagerly around them
@@ -224,6 +218,6 @@ def test_a_llama_compiles_one_forward_block_in_bf16(keep):
     pytest.importorskip("transformers")
     config = {"stage": 3, "backend": "inductor", "regional_compile": True, "keep_block_regions": keep,
               "mixed_precision": {"param_dtype": "bf16"}}
-    for res, counts in run_world(2, _regions_compiled, "llama", config, 2):
+    for res, counts, _ in run_world(2, _regions_compiled, "llama", config, 2):
         assert all(res["kept"]) == keep, res["kept"]
         assert counts == [1, 2], counts  # forward, backward

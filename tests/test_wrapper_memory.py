@@ -22,11 +22,15 @@ def _swiglu_backward(x, w_gate, w_up, w_down, dout):
     return x.t() @ d_gate, x.t() @ d_up, d_down, d_gate @ w_gate.t() + d_up @ w_up.t()
 
 
-def _compiled(f, inputs):
+def _compiled(f, inputs, blocks=None):
+    """`f` traced as AOTAutograd hands a graph to inductor and compiled: as one graph, or with `blocks` (which tags
+    the traced graph's nodes with the module each computes for) in regions."""
     from torch._inductor.decomposition import select_decomp_table
-    gm = make_fx(f, select_decomp_table(), tracing_mode="fake")(*inputs)  # as AOTAutograd hands it to inductor
-    liveness.compiled_by_inductor(gm, False)
-    program = backends.compile_graph("inductor", gm, list(inputs), "forward", False)
+    gm = make_fx(f, select_decomp_table(), tracing_mode="fake")(*inputs)
+    if blocks is not None:
+        blocks(gm)
+    liveness.compiled_by_inductor(gm, blocks is not None)
+    program = backends.compile_graph("inductor", gm, list(inputs), "forward", blocks is not None)
     return gm, program
 
 
@@ -128,15 +132,14 @@ def test_the_plan_of_a_regional_program_is_what_the_allocator_sees(wide):
     wider, in the second's."""
     torch.manual_seed(0)
     inputs = [torch.randn(256, 128), torch.randn(128, 512), torch.randn(128, wide), torch.randn(128, 8)]
-    from torch._inductor.decomposition import select_decomp_table
-    gm = make_fx(_two_blocks, select_decomp_table(), tracing_mode="fake")(*inputs)
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    mms = [k for k, n in enumerate(calls) if n.target is torch.ops.aten.mm.default]
-    for k, n in enumerate(calls):  # as dynamo records them: blocks.0 and blocks.1, then the head (no block)
-        path = "blocks.0" if k < mms[2] else "blocks.1" if k < mms[4] else "head"
-        n.meta["nn_module_stack"] = {path: (path, torch.nn.Module)}
-    liveness.compiled_by_inductor(gm, True)
-    program = backends.compile_graph("inductor", gm, list(inputs), "forward", True)
+
+    def blocks(gm):  # as dynamo records them: blocks.0 and blocks.1, then the head (no block)
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        mms = [k for k, n in enumerate(calls) if n.target is torch.ops.aten.mm.default]
+        for k, n in enumerate(calls):
+            path = "blocks.0" if k < mms[2] else "blocks.1" if k < mms[4] else "head"
+            n.meta["nn_module_stack"] = {path: (path, torch.nn.Module)}
+    gm, program = _compiled(_two_blocks, inputs, blocks)
     assert len(program.layout) >= 3 and sum(r.code is not None for r in program.layout) >= 2, program.layout
     program(list(inputs))  # warm: the first call loads the kernels
     measured = min(highest_rise(allocator_events(lambda: program(list(inputs)))) for _ in range(3))

@@ -237,7 +237,7 @@ class _GraphCompile:
             for kind in sorted(split, key=lambda k: k != "backward"):  # where inductor's code outgrows the plan
                 code[kind] = self.code_liveness(split[kind], kind, lives[kind])
                 if over is not None and planner.step_peak(state, code, self.cfg.accumulate_grads) > over:
-                    return peak, planner.step_peak(state, code, self.cfg.accumulate_grads)
+                    break
         return peak, planner.step_peak(state, code, self.cfg.accumulate_grads)
 
     def follows_code(self) -> bool:

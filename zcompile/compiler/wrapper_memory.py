@@ -269,13 +269,12 @@ def _entering(gm: fx.GraphModule, layout: list, by_name: dict[str, fx.Node]) -> 
             val = node.meta.get("val") if node is not None else None
             if until < r or not isinstance(val, torch.Tensor) or node.meta.get("zc_tier") in ("cpu", "nvme"):
                 continue
-            if node.op == "placeholder" and not node.meta.get(liveness.RELEASED):
-                continue
-            if StorageWeakRef(val.untyped_storage()) in held:  # a view of a caller-held input (a weight's transpose)
+            storage = StorageWeakRef(val.untyped_storage())
+            if storage in held:  # a caller-held input, or a view of one (a weight's transpose)
                 continue
             if node.op != "placeholder" and made.get(name, r) >= r:
                 continue
-            stores[StorageWeakRef(val.untyped_storage())] = liveness.storage_bytes(val)
+            stores[storage] = liveness.storage_bytes(val)
         out.append(sum(stores.values()))
     return out
 
