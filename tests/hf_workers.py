@@ -15,6 +15,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2", "bert", "t5")
+# mixture of experts: 3-D expert weights, data-dependent routing; the library's default experts implementation
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+_MOE = dict(num_experts_per_tok=2)
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
@@ -42,6 +45,16 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
         return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128,
                                                          num_layers=2, num_heads=4, decoder_start_token_id=0,
                                                          dropout_rate=0.0))
+    if family in ("mixtral", "mixtral_eager_experts"):  # the second loops over the experts its tokens hit
+        impl = {"experts_implementation": "eager"} if family == "mixtral_eager_experts" else {}
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**_DECODER, **_MOE, num_local_experts=4, **impl))
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**_DECODER, **_MOE, num_experts=4, moe_intermediate_size=64,
+                                                        head_dim=16))
+    if family == "deepseek_v3":  # multi-head latent attention, a dense first layer, a shared expert
+        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            **_DECODER, **_MOE, n_routed_experts=4, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1,
+            topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
     raise ValueError(family)
 
 
@@ -95,3 +108,62 @@ def matrix(rank: int, world: int, families: list[str], dtype: str, stages: list[
     """{family: {"fsdp2": run, stage: run}} on this rank (each run as _train returns it)."""
     return {f: {"fsdp2": fsdp2_run(rank, f, dtype),
                 **{s: zcompile_run(rank, f, dtype, s, backend) for s in stages}} for f in families}
+
+
+def unused_expert_grads(rank: int, world: int, stage: int) -> list[dict]:
+    """Mixtral at `stage` (bf16) with every router's choices folded onto experts 0-2: per expert weight, the
+    gradient after one backward, whole, as a list per expert of (is it all zeros)."""
+    from transformers.models.mixtral import modeling_mixtral as mm
+    route = mm.MixtralTopKRouter.forward
+
+    def folded(self, hidden_states):  # on the class: the blocks stay alike (one region)
+        logits, scores, indices = route(self, hidden_states)
+        return logits, scores, indices % 3
+    mm.MixtralTopKRouter.forward = folded
+    reset_dynamo()
+    model = build("mixtral")
+    compiled = torch.compile(model, backend="zero",
+                             options={"config": {"stage": stage, "mixed_precision": {"param_dtype": "bf16"}}})
+    compiled(**batch(rank)).loss.backward()
+    out = []
+    for name, p in model.named_parameters():
+        if "experts" in name:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out.append({"name": name, "zero": [bool((g[e] == 0).all()) for e in range(g.shape[0])]})
+    return out
+
+
+def embeds_matrix(rank: int, world: int, cast: bool = True, backend: str = "eager") -> dict:
+    """Llama in bf16 called with fp32 `inputs_embeds` (the same every step): per system the losses of four AdamW
+    steps and the dtype of the hidden states its first decoder layer received. `cast`: zcompile's
+    mixed_precision.cast_forward_inputs."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from zcompile.runtime.dtensor_params import repeated_blocks
+    g = torch.Generator().manual_seed(200 + rank)
+    embeds = torch.randn(MICRO, SEQ, _DECODER["hidden_size"], generator=g)
+    labels = batch(rank)["labels"]
+    out = {}
+    for system in ("fsdp2", "zcompile"):
+        reset_dynamo()
+        model = build("llama")
+        seen = []
+        model.model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        if system == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in repeated_blocks(model):
+                fully_shard(block, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            run = model
+        else:
+            run = torch.compile(model, backend="zero", options={"config": {
+                "stage": 3, "backend": backend, "mixed_precision": {"param_dtype": "bf16", "cast_forward_inputs": cast}}})
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for _ in range(STEPS):
+            loss = run(inputs_embeds=embeds, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.float().item())
+        out[system] = {"losses": losses, "seen": seen[0] if seen else None}
+    return out

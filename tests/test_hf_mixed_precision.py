@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests import hf_workers
-from tests.harness import run_world
+from tests.harness import WorkerFailed, run_world
 
 REL = 2e-2  # a few bf16 steps (2^-8 relative) after four updates at lr 1e-2; eager kernels match FSDP2's to ~1e-4
 LEARNS = 0.5  # the loss falls by more than this over four steps on a fixed batch (about 1.0-3.0 in these runs)
@@ -42,3 +42,45 @@ def test_mistral_trains_in_fp32_at_every_stage():
     block's region (dtensor_params._values_only)."""
     _check(run_world(2, hf_workers.matrix, ["mistral"], "fp32", [0, 1, 2, 3], timeout=400), ["mistral"], range(4),
            torch.float32)
+
+
+@pytest.mark.parametrize("family", hf_workers.MOE_FAMILIES)
+def test_mixture_of_experts_trains_like_fsdp2_at_every_stage(family):
+    """3-D expert weights (a token would give dynamo's trace all-zero strides, which `_grouped_mm` refuses:
+    dtensor_params.strided_at_trace), sharded like any parameter."""
+    _check(run_world(2, hf_workers.matrix, [family], "bf16", [0, 1, 2, 3], timeout=400), [family], range(4),
+           torch.bfloat16)
+
+
+def test_mixture_of_experts_in_fp32_and_under_inductor():
+    """fp32 (stage 0 traces the plain expert weights, 3 their DTensors) and bf16 under inductor at stage 3."""
+    _check(run_world(2, hf_workers.matrix, ["qwen3_moe"], "fp32", [0, 3], timeout=400), ["qwen3_moe"], [0, 3],
+           torch.float32)
+    _check(run_world(2, hf_workers.matrix, ["mixtral"], "bf16", [3], "inductor", timeout=400), ["mixtral"], [3],
+           torch.bfloat16)
+
+
+def test_an_expert_that_gets_no_tokens_has_a_zero_gradient():
+    """Every rank reduces every expert's gradient: one no token reached has zeros, not None."""
+    for rank, grads in enumerate(run_world(2, hf_workers.unused_expert_grads, 3, timeout=300)):
+        assert len(grads) == 2 * 2, grads  # gate_up_proj and down_proj of two layers
+        for g in grads:
+            assert g["zero"] == [False, False, False, True], (rank, g)
+
+
+def test_experts_that_run_only_where_tokens_went_fail_naming_the_cause():
+    """transformers' experts_implementation='eager' loops over the experts hit, which differ per rank: every
+    rank fails with the schedule check's error, which names that layer and the way out, instead of hanging."""
+    with pytest.raises(WorkerFailed) as e:
+        run_world(2, hf_workers.matrix, ["mixtral_eager_experts"], "bf16", [3], timeout=300)
+    assert str(e.value).count("zcompile.errors.ScheduleMismatch: rank") == 2 and str(e.value).count("'grouped_mm'") == 2, str(e.value)
+
+
+def test_floating_inputs_are_cast_before_the_forward_as_fsdp2_casts_them():
+    """`inputs_embeds` in fp32 under bf16 (mixed_precision.cast_forward_inputs, on by default): the first decoder
+    layer gets bf16 hidden states from the first call on, and the losses are FSDP2's (eager kernels: to ~1e-6)."""
+    for rank, res in enumerate(run_world(2, hf_workers.embeds_matrix, timeout=300)):
+        ref, got = res["fsdp2"], res["zcompile"]
+        assert ref["seen"] == got["seen"] == torch.bfloat16, (rank, res)
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (rank, res)
+        assert got["losses"][0] - got["losses"][-1] > LEARNS, (rank, res)

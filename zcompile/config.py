@@ -113,6 +113,9 @@ SCHEMA: dict[str, Any] = {
         "output_dtype": Key((str, _NONE), None, "the forward's floating outputs: null (default) leaves them in the "
                             "compute dtype, as FSDP2's MixedPrecisionPolicy does (logits over a real vocabulary are "
                             "never copied to fp32); fp32 casts them back", choices=(None, "fp32")),
+        "cast_forward_inputs": Key((bool,), True, "floating tensors passed to the compiled model's forward "
+                                   "(inputs_embeds, pixel_values) are cast to param_dtype before it runs, as FSDP2's "
+                                   "MixedPrecisionPolicy(cast_forward_inputs=True); false: the model gets them as given"),
     }, "compute and gradient-reduction dtypes"),
     "dump": Key((str, _NONE), None, "directory for per-rank, per-pass graph dumps (ZCOMPILE_DUMP_DIR overrides)"),
     "pipeline": Key((list, _NONE), None, "ordered pass names; default: the stage's pipeline"),
@@ -208,6 +211,7 @@ class MixedPrecision:
     param_dtype: torch.dtype = DTYPES[_default("mixed_precision", "param_dtype")]   # dtype of forward/backward
     reduce_dtype: torch.dtype = DTYPES[_default("mixed_precision", "reduce_dtype")]  # dtype gradients move in
     output_dtype: torch.dtype | None = None  # the forward's floating outputs cast to it; None: left in param_dtype
+    cast_forward_inputs: bool = _default("mixed_precision", "cast_forward_inputs")  # floating forward args cast
 
     @property
     def enabled(self) -> bool:
@@ -459,7 +463,8 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
     _check_stages(v, stage, where)
     out_dtype = v["mixed_precision"]["output_dtype"]
     mp = MixedPrecision(DTYPES[v["mixed_precision"]["param_dtype"]], DTYPES[v["mixed_precision"]["reduce_dtype"]],
-                        DTYPES[out_dtype] if out_dtype is not None else None)
+                        DTYPES[out_dtype] if out_dtype is not None else None,
+                        v["mixed_precision"]["cast_forward_inputs"])
     if mp.param_dtype == torch.float32 and mp.reduce_dtype != torch.float32:
         raise ConfigError(f"{where}: key 'mixed_precision.reduce_dtype' is {v['mixed_precision']['reduce_dtype']} "
                           "but param_dtype is fp32: gradients are produced in fp32, reducing them in lower precision "

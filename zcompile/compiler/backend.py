@@ -962,7 +962,7 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
     roots = {id(root): root for root in map(_root_module, unowned) if root is not None}
     for ph, x in plain:
         zp = shard_store.register_for(cfg, ctx, x)
-        if zp.token is not None or not (dtensor_params.eligible(zp) or dtensor_params.tokened(zp)):
+        if zp.token is not None or zp.traced_cast or not (dtensor_params.eligible(zp) or dtensor_params.tokened(zp)):
             continue
         root = _root_module(ph)
         if root is None:

@@ -62,11 +62,27 @@ def _on_start(_args) -> None:
         _compiles.append((None, False))  # start and end come in pairs, for any backend
         return
     options, frame_locals = found
-    modules = [m for m in map(_module_of, frame_locals.values()) if m is not None]
+    values = list(frame_locals.values())
+    values += [v for t in values if isinstance(t, tuple) for v in t]  # `*args` of a decorated forward: (self, ...)
+    modules = [m for m in map(_module_of, values) if m is not None]
     _compiles.append((modules, gc.isenabled()))
     gc.disable()
     dtensor_params.zero_trace_started()
     _shard_modules(options, modules)
+    _cast_first_inputs(frame_locals)
+
+
+def _cast_first_inputs(frame_locals: dict) -> None:
+    """The root's cast of its floating forward inputs (dtensor_params.cast_forward_inputs) is a forward pre-hook:
+    it runs before the frame dynamo compiles, except on the call whose compile installed it. There a forward that
+    takes `**kwargs` (Hugging Face's decorated forwards: `wrapped_func(*args, **kwargs)`) gets them cast here, in
+    the dict the call made for it. A forward with named inputs is left to the mixed_precision pass's cast of the
+    graph inputs on that first call."""
+    selves = [frame_locals.get("self")] + list(frame_locals.get("args", ()))[:1]
+    casts = [c for m in selves if isinstance(m, nn.Module) and (c := dtensor_params.input_cast_of(m)) is not None]
+    kwargs = frame_locals.get("kwargs")
+    if casts and isinstance(kwargs, dict):
+        casts[0].cast_in_place(kwargs)
 
 
 def _on_end(_args) -> None:

@@ -116,7 +116,9 @@ def exchange(ctx: DistContext, mine: torch.Tensor, timeout_s: float) -> None:
         "Every rank must run the same model code path with the same config, input shapes and world size at each "
         "step (a shape or branch that differs on one rank recompiles or picks another graph there: pad or drop "
         "uneven last batches, keep data-dependent control flow the same on every rank, run eval forwards on every "
-        "rank).")
+        "rank; a mixture-of-experts layer that loops over the experts its tokens were routed to, such as Hugging "
+        "Face's experts_implementation='eager', branches per rank: use one that runs every expert, such as its "
+        "default 'grouped_mm').")
 
 
 def announce(ctx: DistContext, graph_id: int, identity: int, summary: str, timeout_s: float) -> None:

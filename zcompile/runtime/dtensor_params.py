@@ -108,11 +108,13 @@ def _tracing_for_zero() -> bool:
     return _zero_traces > 0
 
 
-def token(zp: shard_store.ShardedParam) -> torch.Tensor:
+def token(zp: shard_store.ShardedParam) -> torch.Tensor | None:
     """The parameter's token, in the dtype the forward computes in (mixed_precision): the model's code then traces
     what it does with a bf16 parameter (`x.to(self.weight.dtype)`, `hidden.to(input_dtype)`), as under FSDP2, whose
     forward sees the unsharded bf16 parameter. The graph input stays the fp32 parameter; the mixed_precision pass
-    casts it where it is first used."""
+    casts it where it is first used. None where no token can stand in (`strided_at_trace`)."""
+    if strided_at_trace(zp):
+        return None
     floating = zp.dtype.is_floating_point or zp.dtype.is_complex
     with torch.no_grad():
         one = torch.full((1,) * len(zp.shape), float("nan") if floating else 0, dtype=zp.compute_dtype,
@@ -120,6 +122,14 @@ def token(zp: shard_store.ShardedParam) -> torch.Tensor:
     token = one.expand(zp.shape).detach().requires_grad_(floating)
     token._zc_token_of = weakref.ref(zp)
     return token
+
+
+def strided_at_trace(zp: shard_store.ShardedParam) -> bool:
+    """A parameter of three or more dimensions (a mixture of experts' stacked weights): kernels such as
+    `_grouped_mm` check its strides while dynamo traces, which a token (one element, every stride 0) fails. Such
+    a parameter is traced through its DTensor (stages 1-3: the whole parameter, contiguous) or, at stage 0, as
+    the plain parameter cast to the compute dtype."""
+    return len(zp.shape) >= 3
 
 
 def token_owner(t) -> shard_store.ShardedParam | None:
@@ -181,12 +191,52 @@ def shard_model(root: nn.Module, cfg, ctx) -> int:
     Returns how many parameters were replaced (given a token at stage 0)."""
     from functools import partial
     register = partial(shard_store.register_for, cfg, ctx)
+    if cfg.mixed_precision.enabled and cfg.mixed_precision.cast_forward_inputs:
+        cast_forward_inputs(root, cfg.mixed_precision.param_dtype)
     if cfg.stage == Stage.DDP:
         return token_module(root, register)
     count = shard_module(root, register, ctx, cfg.collective_timeout_s)
     if count and cfg.trace_blocks_once and trace_once_supported():
         mark_blocks(root)
     return count
+
+
+def cast_forward_inputs(root: nn.Module, dtype: torch.dtype) -> None:
+    """FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) on the root: floating tensors among its forward's
+    arguments become `dtype` before it runs. Dynamo traces the hook, so the model's code sees bf16 `inputs_embeds`
+    as under FSDP2 (a cast the mixed_precision pass puts on the graph input comes after the trace: the code has
+    recorded fp32 as constants by then, `hidden.to(input_dtype)`)."""
+    if input_cast_of(root) is None:
+        root.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
+
+
+class _CastInputs:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def _cast(self, t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point() and t.dtype != self.dtype:
+            return t.to(self.dtype)
+        return t
+
+    def __call__(self, module, args, kwargs):
+        return torch.utils._pytree.tree_map(self._cast, (args, kwargs))
+
+    def cast_in_place(self, kwargs: dict) -> None:
+        """Cast the `**kwargs` dict a call made for the forward (not the caller's own dict)."""
+        kwargs.update(torch.utils._pytree.tree_map(self._cast, kwargs))
+
+    def __reduce__(self):  # a pickled or deep-copied model is not zcompile's: it gets its inputs as given
+        return _Unchanged, ()
+
+
+def input_cast_of(module: nn.Module) -> _CastInputs | None:
+    return next((h for h in module._forward_pre_hooks.values() if isinstance(h, _CastInputs)), None)
+
+
+class _Unchanged:
+    def __call__(self, module, args, kwargs):
+        return None
 
 
 def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
@@ -238,9 +288,10 @@ def token_module(root: nn.Module, register) -> int:
             zp = register(p)
             if not tokened(zp):
                 continue
-            if zp.token is None:
+            if zp.token is None and not zp.traced_cast:
                 zp.name = zp.name or f"{path}.{name}".lstrip(".")
                 zp.token = token(zp)
+                zp.traced_cast = zp.token is None
                 count += 1
             _own(module, name, zp)
             names.append(name)
@@ -317,6 +368,9 @@ def _getter(name: str):
                 return token  # no _zc_instance: the backend's guard on the parameter's ShardedParam covers it
         p = self._parameters[name]
         if not isinstance(p, DTensor) or not (torch.compiler.is_compiling() or getattr(_forward, "depth", 0)):
+            zp = getattr(p, "_zc", None)
+            if zp is not None and zp.traced_cast and torch.compiler.is_compiling() and _tracing_for_zero():
+                return p.to(zp.compute_dtype)  # what a token would say; the placeholder stays the parameter
             return p
         # never true: reading it makes dynamo guard on it (see _INSTANCES); a marked block reads it outside
         if not self._zc_in_region and self._zc_instance < 0:
