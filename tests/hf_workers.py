@@ -90,8 +90,11 @@ def fsdp2_run(rank: int, family: str, dtype: str) -> dict:
     return _train(model, rank)
 
 
-def zcompile_run(rank: int, family: str, dtype: str, stage: int, backend: str = "eager") -> dict:
-    reset_dynamo()
+def zcompile_run(rank: int, family: str, dtype: str, stage: int, backend: str = "eager", bare_reset: bool = False
+                 ) -> dict:
+    """`bare_reset`: compile right after a bare torch._dynamo.reset(), which drops zcompile's compile-start hook:
+    the backend shards what the first trace read and restarts it (the path torch 2.11 always takes)."""
+    torch._dynamo.reset() if bare_reset else reset_dynamo()
     config = {"stage": stage, "backend": backend, "mixed_precision": {"param_dtype": dtype}}
     model = build(family)
     out = _train(torch.compile(model, backend="zero", options={"config": config}), rank)
@@ -103,11 +106,11 @@ def zcompile_run(rank: int, family: str, dtype: str, stage: int, backend: str = 
     return out
 
 
-def matrix(rank: int, world: int, families: list[str], dtype: str, stages: list[int], backend: str = "eager"
-           ) -> dict:
+def matrix(rank: int, world: int, families: list[str], dtype: str, stages: list[int], backend: str = "eager",
+           bare_reset: bool = False) -> dict:
     """{family: {"fsdp2": run, stage: run}} on this rank (each run as _train returns it)."""
     return {f: {"fsdp2": fsdp2_run(rank, f, dtype),
-                **{s: zcompile_run(rank, f, dtype, s, backend) for s in stages}} for f in families}
+                **{s: zcompile_run(rank, f, dtype, s, backend, bare_reset) for s in stages}} for f in families}
 
 
 def unused_expert_grads(rank: int, world: int, stage: int) -> list[dict]:

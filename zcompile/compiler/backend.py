@@ -962,7 +962,7 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
     roots = {id(root): root for root in map(_root_module, unowned) if root is not None}
     for ph, x in plain:
         zp = shard_store.register_for(cfg, ctx, x)
-        if zp.token is not None or zp.traced_cast or not (dtensor_params.eligible(zp) or dtensor_params.tokened(zp)):
+        if zp.token is not None or not (dtensor_params.eligible(zp) or dtensor_params.tokened(zp)):
             continue
         root = _root_module(ph)
         if root is None:
@@ -976,6 +976,8 @@ def _shard_modules_of(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, c
         tx = InstructionTranslator.current_tx()
         if tx is not None and hasattr(tx, "speculation_log"):
             tx.speculation_log.clear()  # the new trace takes other paths (the parameters' properties)
+        if cfg.stage == zconfig.Stage.DDP:
+            before_trace.restarted_as_zero()
         raise _ParametersSharded(count)
 
 

@@ -72,6 +72,16 @@ def _on_start(_args) -> None:
     _cast_first_inputs(frame_locals)
 
 
+def restarted_as_zero() -> None:
+    """The backend restarts a stage-0 trace that began without the compile-start callback (after a bare
+    torch._dynamo.reset(), or on torch 2.11): the new trace reads the tokens it just made, as one begun with the
+    callback does (a stage-0 parameter has no DTensor path: traced plain in fp32, the model's code records fp32
+    where the cast graph then computes bf16). The end callback, which the backend registered again, closes it."""
+    if not dtensor_params.tracing_for_zero():
+        _compiles.append(([], False))
+        dtensor_params.zero_trace_started()
+
+
 def _cast_first_inputs(frame_locals: dict) -> None:
     """The root's cast of its floating forward inputs (dtensor_params.cast_forward_inputs) is a forward pre-hook:
     it runs before the frame dynamo compiles, except on the call whose compile installed it. There a forward that

@@ -108,6 +108,11 @@ def _tracing_for_zero() -> bool:
     return _zero_traces > 0
 
 
+def tracing_for_zero() -> bool:
+    """Outside a trace: whether a zero-backend compile is in progress (its tokens are read)."""
+    return _zero_traces > 0
+
+
 def token(zp: shard_store.ShardedParam) -> torch.Tensor | None:
     """The parameter's token, in the dtype the forward computes in (mixed_precision): the model's code then traces
     what it does with a bf16 parameter (`x.to(self.weight.dtype)`, `hidden.to(input_dtype)`), as under FSDP2, whose
