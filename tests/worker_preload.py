@@ -27,7 +27,9 @@ if torch.version.cuda is None and torch.version.hip is None:
 
 try:  # the Hugging Face models the tests build from configs
     import transformers  # noqa: F401
-    from transformers import (BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM,  # noqa: F401
-                              MistralForCausalLM, Qwen2ForCausalLM)
+    from transformers import (BertForMaskedLM, DeepseekV3ForCausalLM, GemmaForCausalLM,  # noqa: F401
+                              GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
+                              Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM, T5ForConditionalGeneration)
+    from transformers.integrations import moe  # noqa: F401
 except ImportError:
     pass
