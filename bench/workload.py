@@ -47,11 +47,13 @@ LR = 6e-4
 
 
 # ---------------------------------------------------------------- models
-def build_model(name: str, vocab: int | None, layers: int | None = None) -> torch.nn.Module:
+def build_model(name: str, vocab: int | None, layers: int | None = None, use_cache: bool = False
+                ) -> torch.nn.Module:
     """gpt2-<size> (nanoGPT, 124M/350M/774M/1.5B), gpt2-cpu (8 layers, 128 wide: the CPU proxy), gpt2-tiny (2
     layers, 64 wide: tests), llama-1B (16 layers, 2048 wide, SwiGLU 8192, 32 heads / 8 KV heads), llama-cpu,
     qwen2-cpu (Qwen2ForCausalLM: biased q/k/v, tied embeddings, as Qwen2's small models; 8 layers, 128 wide).
-    `layers` overrides the depth."""
+    `layers` overrides the depth; `use_cache`: the Hugging Face config's (its default is True; the proxies train
+    with False unless asked)."""
     torch.manual_seed(0)
     if name.startswith("gpt2-"):
         size = name[len("gpt2-"):]
@@ -67,10 +69,10 @@ def build_model(name: str, vocab: int | None, layers: int | None = None) -> torc
                                    "tiny": (64, 2, 2, 1, 176)}[size]
         Config, Model = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if family == "llama"
                          else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
-        # training: no KV cache (docs/limitations.md); Qwen2's small models tie the embeddings
+        # Qwen2's small models tie the embeddings
         cfg = Config(vocab_size=vocab or 32000, hidden_size=d, intermediate_size=ff,
                      num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
-                     max_position_embeddings=4096, tie_word_embeddings=family == "qwen2", use_cache=False)
+                     max_position_embeddings=4096, tie_word_embeddings=family == "qwen2", use_cache=use_cache)
         cfg._attn_implementation = "sdpa"
         return Model(cfg)
     raise ValueError(f"unknown model {name!r}")
@@ -142,7 +144,7 @@ DEFAULTS_SCAN = ["zcompile_z3", "zcompile_z3_whole_graph", "zcompile_z3_bucket_1
 def worker(rank: int, world: int, system: str, args) -> dict:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     bf16 = args.dtype == "bf16"
-    model = build_model(args.model, args.vocab, args.layers).to(device)
+    model = build_model(args.model, args.vocab, args.layers, args.use_cache).to(device)
     num_params = sum(p.numel() for p in model.parameters())
     run, opt, autocast = SETUP[system](model, world, device, bf16)
     vocab = model.config.vocab_size
@@ -279,6 +281,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--model", default="gpt2-cpu")
     ap.add_argument("--vocab", type=int, default=None, help="default: 50304 (GPT-2), 32000 (Llama, Qwen2)")
     ap.add_argument("--layers", type=int, default=None, help="the model's depth (default: its own)")
+    ap.add_argument("--use-cache", action="store_true", help="Hugging Face models: train with the config's "
+                    "use_cache on (each decoder layer gets a KV cache, as with the config's default)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--world", type=int, default=None, help="default: 1 on cuda, 2 on cpu")
     ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")

@@ -170,3 +170,40 @@ def embeds_matrix(rank: int, world: int, cast: bool = True, backend: str = "eage
             losses.append(loss.float().item())
         out[system] = {"losses": losses, "seen": seen[0] if seen else None}
     return out
+
+
+def use_cache_run(rank: int, world: int, trace_blocks_once: bool) -> dict:
+    """Llama (4 layers) trained at stage 3 as a user calls it, the config's default `use_cache=True`: the losses, the
+    KV cache the last forward returned (layers filled, their length) and, per graph dynamo handed the backend, its
+    region calls and distinct region bodies."""
+    import transformers as tf
+    from zcompile.compiler import trace_blocks_once as tbo
+    seen, inline = [], tbo.inline
+
+    def counting(gm, **kwargs):
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+        if calls:  # (a region's own body comes here too)
+            seen.append((len(calls), len({id(getattr(gm, n.args[0].target)) for n in calls})))
+        return inline(gm, **kwargs)
+
+    tbo.inline = counting
+    try:
+        reset_dynamo()
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_DECODER, "num_hidden_layers": 4}))
+        assert model.config.use_cache
+        run = torch.compile(model, backend="zero", options={"config": {
+            "stage": 3, "backend": "eager", "trace_blocks_once": trace_blocks_once}})
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for _ in range(3):
+            out = run(**batch(rank))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+        cache = out.past_key_values
+        return {"losses": losses, "seen": seen, "cache": [tuple(layer.keys.shape) for layer in cache.layers],
+                "stored": [(layer.keys.sum().item(), layer.values.sum().item()) for layer in cache.layers]}
+    finally:
+        tbo.inline = inline

@@ -38,8 +38,8 @@ def test_bf16_under_inductor_trains_like_fsdp2(family):
 
 
 def test_mistral_trains_in_fp32_at_every_stage():
-    """Mistral's sliding-window KV cache is written inside each block: those calls are traced inline, not as the
-    block's region (dtensor_params._values_only)."""
+    """Mistral's sliding-window KV cache is written inside each block: an empty one is recorded inside the block's
+    region and filled after it (dtensor_params._empty_cache_call)."""
     _check(run_world(2, hf_workers.matrix, ["mistral"], "fp32", [0, 1, 2, 3], timeout=400), ["mistral"], range(4),
            torch.float32)
 
@@ -94,3 +94,16 @@ def test_floating_inputs_are_cast_before_the_forward_as_fsdp2_casts_them():
         assert ref["seen"] == got["seen"] == torch.bfloat16, (rank, res)
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (rank, res)
         assert got["losses"][0] - got["losses"][-1] > LEARNS, (rank, res)
+
+
+def test_the_default_kv_cache_call_keeps_one_region_per_block_class():
+    """`model(input_ids=, labels=)` with the config's `use_cache=True` hands every decoder layer a DynamicCache;
+    an empty one is recorded inside the block's region and filled after it (dtensor_params._empty_cache_call): the
+    4 layers are 4 calls of one region, the losses equal those of the blocks traced inline with the cache
+    (trace_blocks_once: false), and the returned cache holds every layer's keys."""
+    region, inline = (run_world(2, hf_workers.use_cache_run, once, timeout=300) for once in (True, False))
+    for rank, (got, ref) in enumerate(zip(region, inline)):
+        assert got["seen"] and all(s == (4, 1) for s in got["seen"]), (rank, got["seen"])
+        assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
+        assert got["cache"] == ref["cache"] == [(hf_workers.MICRO, 2, hf_workers.SEQ, 16)] * 4, (rank, got, ref)
+        assert got["stored"] == ref["stored"], (rank, got["stored"], ref["stored"])

@@ -605,11 +605,48 @@ def _region_body(forward):
     first block and handed on by the others) leaves as a copy, since a region's outputs may not alias its inputs."""
     @functools.wraps(forward)
     def body(self, *args, **kwargs):
+        record = kwargs.pop("_zc_record_cache", None)  # the keyword of an empty KV cache (_empty_cache_call)
+        if record is not None:
+            recorder = _KVRecorder()
+            kwargs[record] = recorder
         out = forward(self, *args, **kwargs)
         inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        return torch.utils._pytree.tree_map_only(
+        out = torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: t.clone() if any(t is i for i in inputs) else t, out)
+        return out if record is None else (out, recorder.keys, recorder.values)
     return body
+
+
+class _KVRecorder:
+    """What a block traced as a region gets for an empty Hugging Face KV cache (`_empty_cache_call`): `update` keeps
+    the block's new keys and values and returns them, as an empty cache's first update does; the outer forward
+    writes them into the real cache after the region."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return 0
+
+
+def _empty_cache_call(block: nn.Module, args, kwargs) -> tuple | None:
+    """(keyword, cache, layer index) when a block's only input that is not a value is a Hugging Face DynamicCache
+    keyword argument with nothing stored for this block yet (a training forward with the config's default
+    `use_cache=True`, the prefill of `generate`); None otherwise (the block is then traced inline)."""
+    names = [k for k, v in kwargs.items() if not _values_only(v)]
+    if len(names) != 1 or not _values_only(args):
+        return None
+    cache = kwargs[names[0]]
+    if type(cache).__name__ != "DynamicCache" or not type(cache).__module__.startswith("transformers"):
+        return None
+    idx = next((m.layer_idx for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+    if idx is None or cache.get_seq_length(idx) != 0:
+        return None
+    return names[0], cache, idx
 
 
 def _outer_forward(self, *args, **kwargs):
@@ -622,7 +659,14 @@ def _outer_forward(self, *args, **kwargs):
         if getattr(m, "_zc_instance", 0) < 0:
             raise AssertionError
     if not _values_only((args, kwargs)):
-        return type(self)._zc_inline(self, *args, **kwargs)
+        found = _empty_cache_call(self, args, kwargs)
+        if found is None:
+            return type(self)._zc_inline(self, *args, **kwargs)
+        name, cache, idx = found
+        out, keys, values = type(self)._zc_region(self, *args, **{**kwargs, name: None, "_zc_record_cache": name})
+        if keys is not None:
+            cache.update(keys, values, idx)
+        return out
     return type(self)._zc_region(self, *args, **kwargs)
 
 
