@@ -79,11 +79,15 @@ def test_an_expert_that_gets_no_tokens_has_a_zero_gradient():
 
 
 def test_experts_that_run_only_where_tokens_went_fail_naming_the_cause():
-    """transformers' experts_implementation='eager' loops over the experts hit, which differ per rank: every
-    rank fails with the schedule check's error, which names that layer and the way out, instead of hanging."""
+    """transformers' experts_implementation='eager' loops over the experts hit (`nonzero`), which differ per rank:
+    inside the block's region that is a graph break, whose error on every rank carries zcompile's note naming that
+    layer and the way out (traced inline, the ranks' schedules differ and the schedule check's error says the
+    same), instead of hanging."""
     with pytest.raises(WorkerFailed) as e:
         run_world(2, hf_workers.matrix, ["mixtral_eager_experts"], "bf16", [3], timeout=300)
-    assert str(e.value).count("zcompile.errors.ScheduleMismatch: rank") == 2 and str(e.value).count("'grouped_mm'") == 2, str(e.value)
+    ranks = str(e.value).split("--- rank ")[1:]
+    assert len(ranks) == 2 and all("experts_implementation='eager'" in r and "'grouped_mm'" in r for r in ranks), \
+        str(e.value)
 
 
 def test_floating_inputs_are_cast_before_the_forward_as_fsdp2_casts_them():

@@ -108,7 +108,10 @@ def _on_end(_args) -> None:
             "zcompile: each repeated block is traced once as a nested compile region (trace_blocks_once), and a "
             "region cannot hold a graph break. Remove the graph break from the block's forward, or set "
             "trace_blocks_once: false in the zcompile config (the blocks are then traced inline, where dynamo "
-            "splits the graph, or runs the frame eagerly on the DTensor parameters).")
+            "splits the graph, or runs the frame eagerly on the DTensor parameters). A mixture-of-experts layer that "
+            "loops over the experts its tokens were routed to (Hugging Face's experts_implementation='eager') "
+            "breaks the graph at that data-dependent loop, and would run different code on each rank anyway: use "
+            "one that runs every expert, such as its default 'grouped_mm'.")
 
 
 def _shard_modules(options: dict | None, modules: list[nn.Module]) -> None:

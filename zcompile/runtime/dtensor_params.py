@@ -25,6 +25,7 @@ import copyreg
 import functools
 import itertools
 import threading
+import warnings
 import weakref
 
 import torch
@@ -633,6 +634,20 @@ class _KVRecorder:
         return 0
 
 
+_WARNED_INLINE: set = set()  # (block class, what it was given) warned about once per process
+
+
+@torch._dynamo.assume_constant_result
+def _warn_inline(block: str, held: str) -> bool:
+    """Run by dynamo while it traces (its result is taken as a constant): say once why a block is traced inline."""
+    if (block, held) not in _WARNED_INLINE:
+        _WARNED_INLINE.add((block, held))
+        warnings.warn(f"zcompile: {block} is called with {held}, which a block's region cannot hold (only an empty "
+                      "Hugging Face DynamicCache can be): those calls are traced inline, so compile time grows with "
+                      "depth; in training pass use_cache=False", stacklevel=2)
+    return True
+
+
 def _empty_cache_call(block: nn.Module, args, kwargs) -> tuple | None:
     """(keyword, cache, layer index) when a block's only input that is not a value is a Hugging Face DynamicCache
     keyword argument with nothing stored for this block yet (a training forward with the config's default
@@ -661,6 +676,10 @@ def _outer_forward(self, *args, **kwargs):
     if not _values_only((args, kwargs)):
         found = _empty_cache_call(self, args, kwargs)
         if found is None:
+            if torch.compiler.is_compiling():
+                held = sorted({type(leaf).__name__ for leaf in torch.utils._pytree.tree_leaves((args, kwargs))
+                               if not isinstance(leaf, _VALUES)})
+                _warn_inline(type(self).__qualname__, ", ".join(held))
             return type(self)._zc_inline(self, *args, **kwargs)
         name, cache, idx = found
         out, keys, values = type(self)._zc_region(self, *args, **{**kwargs, name: None, "_zc_record_cache": name})
