@@ -603,7 +603,9 @@ def _marked_class(cls: type) -> type:
 
 def _region_body(forward):
     """The block's forward as a region: an output that is one of its inputs (T5's position bias, computed by the
-    first block and handed on by the others) leaves as a copy, since a region's outputs may not alias its inputs."""
+    first block and handed on by the others) leaves as a copy, since a region's outputs may not alias its inputs.
+    Called with `_zc_record_cache=<keyword>` (an empty KV cache, `_empty_cache_call`), that keyword gets a
+    `_KVRecorder` made inside the region, which also returns the keys and values it recorded."""
     @functools.wraps(forward)
     def body(self, *args, **kwargs):
         record = kwargs.pop("_zc_record_cache", None)  # the keyword of an empty KV cache (_empty_cache_call)
@@ -695,7 +697,8 @@ _VALUES = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.d
 def _values_only(tree) -> bool:
     """A region is a function of its inputs: an object a block may write to (a Hugging Face KV `Cache`, which the
     attention updates) is state outside it, which a nested compile region cannot write where the state aliases an
-    input (dynamo: "an intermediate tensor ... aliases an input or output"). Such a call is traced inline."""
+    input (dynamo: "an intermediate tensor ... aliases an input or output"). Such a call is traced inline, except
+    with an empty Hugging Face DynamicCache (`_empty_cache_call`)."""
     return all(isinstance(leaf, _VALUES) for leaf in torch.utils._pytree.tree_leaves(tree))
 
 
