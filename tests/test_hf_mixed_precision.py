@@ -63,7 +63,7 @@ def test_mixture_of_experts_in_fp32_and_under_inductor():
 def test_stage_0_compiled_without_the_compile_start_hook():
     """After a bare torch._dynamo.reset() (torch 2.11's path): the backend makes the tokens and restarts the trace
     once, which then reads them (before_trace.restarted_as_zero; traced plain in fp32 it failed on a bf16 matmul);
-    Mixtral's plain expert weights (`traced_cast`) must not ask for another restart (which looped until dynamo gave
+    Mixtral's plain expert weights (`cast_at_trace`) must not ask for another restart (which looped until dynamo gave
     up on the frame)."""
     families = ["llama", "mixtral"]
     _check(run_world(2, hf_workers.matrix, families, "bf16", [0], "eager", True, timeout=400), families, [0],

@@ -104,13 +104,9 @@ _zero_traces = 0  # dynamo compiles for the zero backend in progress (before_tra
 
 
 @torch._dynamo.assume_constant_result
-def _tracing_for_zero() -> bool:
-    """Read at trace time without a guard: the compiled code serves a call whatever this returns then."""
-    return _zero_traces > 0
-
-
 def tracing_for_zero() -> bool:
-    """Outside a trace: whether a zero-backend compile is in progress (its tokens are read)."""
+    """Whether a zero-backend compile is in progress (the properties return tokens). Read at trace time without a
+    guard: the compiled code serves a call whatever this returns then."""
     return _zero_traces > 0
 
 
@@ -136,6 +132,12 @@ def strided_at_trace(zp: shard_store.ShardedParam) -> bool:
     a parameter is traced through its DTensor (stages 1-3: the whole parameter, contiguous) or, at stage 0, as
     the plain parameter cast to the compute dtype."""
     return len(zp.shape) >= 3
+
+
+def cast_at_trace(zp: shard_store.ShardedParam) -> bool:
+    """A stage-0 parameter that would have a token but cannot (`strided_at_trace`): while dynamo traces for the zero
+    backend its property returns the plain parameter cast to the compute dtype."""
+    return tokened(zp) and strided_at_trace(zp)
 
 
 def token_owner(t) -> shard_store.ShardedParam | None:
@@ -294,10 +296,11 @@ def token_module(root: nn.Module, register) -> int:
             zp = register(p)
             if not tokened(zp):
                 continue
-            if zp.token is None and not zp.traced_cast:
+            if cast_at_trace(zp):  # no token; new to the property: the trace must restart to read the cast
+                count += name not in _OWNED.get(module, {})
+            elif zp.token is None:
                 zp.name = zp.name or f"{path}.{name}".lstrip(".")
                 zp.token = token(zp)
-                zp.traced_cast = zp.token is None
                 count += 1
             _own(module, name, zp)
             names.append(name)
@@ -368,15 +371,16 @@ def _with_properties(module: nn.Module, names: list[str], replicated: bool = Fal
 
 def _getter(name: str):
     def get(self):
-        if torch.compiler.is_compiling() and _tracing_for_zero():
+        if torch.compiler.is_compiling() and tracing_for_zero():
             token = self._zc_tokens.get(name)
             if token is not None:  # the parameter is still zcompile's DTensor: see [Note: tokens]
                 return token  # no _zc_instance: the backend's guard on the parameter's ShardedParam covers it
+            p = self._parameters[name]
+            zp = getattr(p, "_zc", None)
+            if zp is not None and not isinstance(p, DTensor) and cast_at_trace(zp):
+                return p.to(zp.compute_dtype)  # what a token would say; the placeholder stays the parameter
         p = self._parameters[name]
         if not isinstance(p, DTensor) or not (torch.compiler.is_compiling() or getattr(_forward, "depth", 0)):
-            zp = getattr(p, "_zc", None)
-            if zp is not None and zp.traced_cast and torch.compiler.is_compiling() and _tracing_for_zero():
-                return p.to(zp.compute_dtype)  # what a token would say; the placeholder stays the parameter
             return p
         # never true: reading it makes dynamo guard on it (see _INSTANCES); a marked block reads it outside
         if not self._zc_in_region and self._zc_instance < 0:
@@ -669,7 +673,7 @@ def _empty_cache_call(block: nn.Module, args, kwargs) -> tuple | None:
 def _outer_forward(self, *args, **kwargs):
     # the instances of the modules inside, read outside the region (see above); traced with tokens, the backend's
     # guards on each parameter's ShardedParam tell instances apart
-    for path in () if torch.compiler.is_compiling() and _tracing_for_zero() else self._zc_members:
+    for path in () if torch.compiler.is_compiling() and tracing_for_zero() else self._zc_members:
         m = self
         for name in path:  # a path the user rewired since (adapters) is skipped until mark_blocks runs again
             m = getattr(m, name, None)

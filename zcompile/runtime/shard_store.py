@@ -129,7 +129,6 @@ class ShardedParam:
         self._step_grad: torch.Tensor | None = None
         self.dtensor: nn.Parameter | None = None  # the module's DTensor parameter (dtensor_params), if it has one
         self.token: torch.Tensor | None = None  # what zero-backend traces read for that DTensor (dtensor_params)
-        self.traced_cast = False  # stage 0, no token possible: traces read the parameter cast (dtensor_params)
         self.mesh = None  # the device mesh of that DTensor
         self._grad_spec = None  # the DTensorSpec of its gradients (grad_dtensor)
         self._rows_layout = None  # (shape, stride) of this rank's rows (_grad_rows)
