@@ -66,16 +66,20 @@ def batch(rank: int) -> dict:
 
 
 def _train(model, rank: int) -> dict:
-    """{"losses": per step, "logits": the dtype the model's output came in}."""
+    """{"losses": per step, "logits": the dtype the model's output came in, "recompiled": graphs dynamo compiled
+    after the first step (the same batch every step: none expected)}."""
+    from torch._dynamo.utils import counters
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         out = model(**batch(rank))
         out.loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(out.loss.float().item())
-    return {"losses": losses, "logits": out.logits.dtype}
+        if step == 0:
+            first = counters["stats"]["unique_graphs"]
+    return {"losses": losses, "logits": out.logits.dtype, "recompiled": counters["stats"]["unique_graphs"] - first}
 
 
 def fsdp2_run(rank: int, family: str, dtype: str) -> dict:

@@ -23,6 +23,7 @@ def _check(results: list, families, stages, dtype: torch.dtype) -> None:
                 assert got["losses"] == pytest.approx(ref["losses"], rel=REL), where
                 assert got["losses"][0] - got["losses"][-1] > LEARNS, where
                 assert got.get("pickled", stage != 0), where  # torch.save(model) at stage 0
+                assert got["recompiled"] == 0, f"{where}: {got['recompiled']} graph(s) compiled after the first step"
 
 
 @pytest.mark.parametrize("family", hf_workers.FAMILIES)
