@@ -225,7 +225,8 @@ def test_a_budget_at_half_the_peak_is_met_with_the_same_losses():
     unconstrained run's to fp32 rounding (inductor fuses a forward that no longer returns the recomputed values
     differently: 5e-8 apart at the first step), and the plan recomputes less than checkpointing every block would
     (the cost model's time the backward gains against that of every block's forward). Which recompute does it, the
-    partitioner's knapsack or zcompile's rewrite, depends on which fits first (planner.md)."""
+    partitioner's knapsack or zcompile's rewrite, depends on which fits first (planner.md). The graphs the plan
+    chose were compiled by its trials: the commit generates no code again (inductor's FX graph cache)."""
     free = run_world(2, workers.activation_budget_run, None, steps=2)
     budget = free[0]["measured"] // 2
     planned = run_world(2, workers.activation_budget_run, budget, steps=2)
@@ -233,6 +234,7 @@ def test_a_budget_at_half_the_peak_is_met_with_the_same_losses():
         assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-5, (a["losses"], b["losses"])
         assert b["measured"] <= budget, (b["measured"], budget, b["decisions"][:1])
         assert 0 < b["backward_s"] - a["backward_s"] < b["block_forward_s"], (a, b)
+        assert a["commit codegen"] > 0 and b["commit codegen"] == 0, (a["commit codegen"], b["commit codegen"])
     assert not free[0]["decisions"] and planned[0]["decisions"][0].startswith("activation plan:")
     assert any(line.lstrip().startswith("recompute") for line in planned[0]["decisions"][1:])
 

@@ -670,9 +670,25 @@ def activation_budget_run(rank: int, world: int, budget: int | None, steps: int 
     """Issue 48's case: a 4-layer GPT-like model (vocabulary 256, 128 wide), 8 x 256 tokens per rank, stage 3,
     inductor, `budget` as memory_budget. The losses, the measured tensor peak of the last steps, the planner's
     decisions, the planned step peak, and by the cost model the time of the backward's ops and of every block's
-    forward (what checkpointing each block recomputes)."""
+    forward (what checkpointing each block recomputes), and how many graphs inductor generated code for while
+    the commit step compiled the chosen graphs ("commit codegen": none where the planner's trials compiled them)."""
+    from torch._inductor.graph import GraphLowering
     from zcompile.compiler import backend as zbackend, timeline
     from zcompile.compiler.blocks import block_of
+    commit, codegen = zbackend._GraphCompile.commit_graph, GraphLowering.codegen
+    counted = {"in commit": False, "commit codegen": 0}
+
+    def counting_commit(self, *args, **kwargs):
+        counted["in commit"] = True
+        try:
+            return commit(self, *args, **kwargs)
+        finally:
+            counted["in commit"] = False
+
+    def counting_codegen(self, *args, **kwargs):
+        counted["commit codegen"] += counted["in commit"]
+        return codegen(self, *args, **kwargs)
+    zbackend._GraphCompile.commit_graph, GraphLowering.codegen = counting_commit, counting_codegen  # this worker's
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=128))
     config = {"stage": 3, "backend": "inductor"} | ({"memory_budget": budget} if budget is not None else {}) | \
@@ -698,7 +714,8 @@ def activation_budget_run(rank: int, world: int, budget: int | None, steps: int 
                           if n.op == "call_function" and block_of(n))
     backward_s = sum(timeline.op_seconds(n, cost) for n in bw.graph.nodes if n.op == "call_function")
     return {"losses": losses, "measured": measured, "decisions": zcompile.activation_decisions(),
-            "backward_s": backward_s, "block_forward_s": block_forward_s, "planned": zcompile.planned_step_peak()}
+            "backward_s": backward_s, "block_forward_s": block_forward_s, "planned": zcompile.planned_step_peak(),
+            "commit codegen": counted["commit codegen"]}
 
 
 def delayed_update(rank: int, world: int, config: dict, steps: int = 4) -> dict:

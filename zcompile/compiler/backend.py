@@ -247,11 +247,12 @@ class _GraphCompile:
 
     def code_liveness(self, gm: fx.GraphModule, kind: str, planned: liveness.Liveness) -> liveness.Liveness:
         """`planned` with its peak from inductor's code for `gm`, compiled here as commit_graph will (a trial: the
-        compile reports nothing to AOTAutograd; inductor's cache serves the same compile later)."""
+        compile reports nothing to AOTAutograd; inductor's FX graph cache serves the commit's compile of the same
+        graph, as graph_cache.region_compiles keys both alike)."""
         key = (kind, _identity(gm))
         if key not in self.code_layouts:  # a plan found again in a later round, or the final graphs check_budget reads
             fakes = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-            with regions.no_output_strides():
+            with regions.no_output_strides(), graph_cache.region_compiles():
                 program = backends.compile_graph(self.cfg.backend, gm, fakes, kind, self.cfg.regional_compile)
             self.code_layouts[key] = getattr(program, "layout", None)
         layout = self.code_layouts[key]

@@ -90,11 +90,14 @@ def keyed(job):
 
 
 @contextlib.contextmanager
-def _inner():
+def region_compiles():
     """Inside zcompile's compilers: the region compiles use inductor's FX graph cache (which the bundled mode turns
-    off) under the user's own cache tag."""
+    off) under the user's own cache tag. The memory planner's trial compiles too, so the commit finds the graphs a
+    trial compiled (the plan chosen) in that cache instead of generating their code again. Outside a cached job
+    (compile_cache false): the tag as it is."""
+    tag = _current.outer_tag if getattr(_current, "job", None) is not None else torch.compiler.config.cache_key_tag
     with torch._functorch.config.patch(bundled_autograd_cache=False), \
-            torch.compiler.config.patch(cache_key_tag=_current.outer_tag):
+            torch.compiler.config.patch(cache_key_tag=tag):
         yield
 
 
@@ -102,7 +105,7 @@ def compiler(job, kind: str, compile_fn):
     """AOTAutograd's compiler for `kind`: compile_fn(job, kind, gm, example_inputs) -> the graph's function, returned
     as a ZeroGraphCode the cache can store."""
     def compile_code(gm: fx.GraphModule, example_inputs):
-        with _inner():
+        with region_compiles():
             run = compile_fn(job, kind, gm, example_inputs)
         return ZeroGraphCode(job, kind, run)
     return SerializableAOTDispatchCompiler(ZeroGraphCode, compile_code)
@@ -157,7 +160,7 @@ class ZeroGraphCode(OutputCode):
                           RuntimeWarning, stacklevel=2)
             raise  # AOTAutograd bypasses its cache on any error here and compiles: no rank has seen this load
         try:
-            with _inner():
+            with region_compiles():
                 self._run = job.load_cached(self.kind, record, gm)
         except BaseException as e:
             raise LoadFailed(job, self.kind, e) from e
