@@ -311,11 +311,13 @@ def token_module(root: nn.Module, register) -> int:
 
 def _own(module: nn.Module, name: str, zp: shard_store.ShardedParam) -> None:
     """Record that `module.<name>` is zp's (refresh_tokens, _reattach) and what traces read for it."""
+    # A parameter without a token (strided_at_trace) has no key, as refresh_tokens leaves it: a key holding None
+    # made the first graph guard on it, and refresh_tokens' removal then failed that guard (a second compile).
     tokens = module.__dict__.setdefault("_zc_tokens", {})
     if zp.token is not None:
         tokens[name] = zp.token
-    else:  # no token (strided_at_trace): no key, as refresh_tokens leaves it; a key holding None, which
-        tokens.pop(name, None)  # refresh_tokens then drops, failed the first graph's guard: a second compile
+    else:
+        tokens.pop(name, None)
     _OWNED.setdefault(module, {})[name] = weakref.ref(zp)
 
 
