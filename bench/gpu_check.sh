@@ -5,7 +5,8 @@
 # Parts: gpt2-124M (16 x 1024 tokens), gpt2-774M (8 x 1024), llama (Llama-style 1B, 8 x 1024), nested (GPT-2 124M:
 # plain torch.compile, zcompile's default regions and regional_compile 'nested', which decides that default),
 # offload (GPT-2 774M: zcompile without offload, with the optimizer on the host, with its update delayed one
-# step, and with each bucket updated during the backward, issue 57), cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
+# step, and with each bucket updated during the backward, issue 57), chunked-loss (GPT-2 124M and 774M: zcompile's
+# default chunked head and loss, with its logits made again in the backward, and unchunked), cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
 # (tests/test_gpu.py). Each workload part is bench/workload.py with plain torch.compile, FSDP2 + torch.compile,
 # zcompile stage 3 and zcompile with the optimizer on the host, one system after the other, each under its own
 # timeout, the table rewritten as each finishes; each system's steps are profiled (torch.profiler table, and the
@@ -44,6 +45,12 @@ for part in $parts; do
         offload) workload gpt2-774M-offload 150 --model gpt2-774M --micro 8 --seq 1024 \
                    --systems zcompile_z3,zcompile_z3_offload,zcompile_z3_offload_delayed,zcompile_z3_offload_in_backward \
                    --tag workload-gpt2-774M-offload ;;
+        chunked-loss)
+            for size in 124M:16 774M:8; do
+                workload "gpt2-${size%:*}-chunked-loss" 150 --model "gpt2-${size%:*}" --micro "${size#*:}" --seq 1024 \
+                    --systems zcompile_z3,zcompile_z3_recompute_logits,zcompile_z3_unchunked_loss \
+                    --tag "workload-gpt2-${size%:*}-chunked-loss"
+            done ;;
         cpu-adam)  # the host's update rate against its memory bandwidth (issue 57), 100M and 1B elements
             timeout 300 python bench/cpu_adam_rate.py --sizes 100M,1B --out "$OUT" > "$OUT/cpu-adam.txt" 2>&1
             since "cpu-adam" $?
@@ -53,7 +60,7 @@ for part in $parts; do
             since "test_gpu" $?
             grep -E " (PASSED|FAILED|ERROR)" "$OUT/tests.txt"
             tail -2 "$OUT/tests.txt" ;;
-        *) echo "unknown part $part (gpt2-124M, gpt2-774M, llama, nested, offload, cpu-adam, tests)" ;;
+        *) echo "unknown part $part (gpt2-124M, gpt2-774M, llama, nested, offload, chunked-loss, cpu-adam, tests)" ;;
     esac
 done
 date -u

@@ -18,6 +18,8 @@ rewritten as each finishes, so a killed run keeps what finished):
   zcompile_z3_offload_delayed  and `offload.delayed_update` (the host update beside the next step)
   zcompile_z3_offload_in_backward  `offload.update_in_backward` instead (each bucket's host update during the
                        backward); this one does not clip, which that option refuses
+  zcompile_z3_recompute_logits, zcompile_z3_unchunked_loss  the chunked head and loss with its logits made again
+                       in the backward (`chunked_loss.recompute_logits`), and without it (`chunked_loss.enabled: false`)
 Every system compiles cold (an inductor cache directory of its own) unless --warm. Reported per system: median step
 (steps after --warmup), tokens/s (all ranks), peak memory (CUDA: max_memory_allocated over the timed steps; CPU:
 zcompile.step_tensor_peak, live storages at a step's start plus the allocator's highest rise in it), first step
@@ -134,7 +136,9 @@ SETUP = {"torch_compile": setup_torch_compile, "fsdp2_compile": setup_fsdp2_comp
          "zcompile_z3_bucket_1mb": _zcompile(bucket_mb=1), "zcompile_z3_bucket_100mb": _zcompile(bucket_mb=100),
          "zcompile_z3_prefetch_0": _zcompile(prefetch=0), "zcompile_z3_prefetch_2": _zcompile(prefetch=2),
          "zcompile_z3_inline_blocks": _zcompile(keep_block_regions=False),
-         "zcompile_z3_no_trace_once": _zcompile(trace_blocks_once=False)}
+         "zcompile_z3_no_trace_once": _zcompile(trace_blocks_once=False),
+         "zcompile_z3_recompute_logits": _zcompile(chunked_loss={"recompute_logits": True}),
+         "zcompile_z3_unchunked_loss": _zcompile(chunked_loss={"enabled": False})}
 NO_CLIP = {"zcompile_z3_offload_in_backward"}  # gradients are final once reduced: nothing may scale them later
 DEFAULTS_SCAN = ["zcompile_z3", "zcompile_z3_whole_graph", "zcompile_z3_bucket_1mb", "zcompile_z3_bucket_100mb",
                  "zcompile_z3_prefetch_0", "zcompile_z3_prefetch_2", "zcompile_z3_inline_blocks",

@@ -2,7 +2,8 @@
 them in its own partition function: scatter_upon_const_tensor turns the NLL loss's backward (a logits-size fp32
 `full` of zeros scattered into) into one pointwise `where`, which inductor fuses into the softmax's gradient. One
 process (world 1), the GPT at stage 3 under inductor with its blocks kept as regions (torch >= 2.13) and inlined;
-against the same compile with inductor's joint passes turned off."""
+against the same compile with inductor's joint passes turned off. (The chunked head and loss, on by default,
+would leave no NLL backward to look at: test_chunk_loss.py.)"""
 import pytest
 import torch
 
@@ -18,7 +19,8 @@ def _train(rank: int, world: int, joint_passes: bool, keep: bool) -> dict:
     inductor_config.use_joint_graph_passes = joint_passes
     before = set(backend._COMPILED)
     model, _, losses = workers.train(rank, world, "gpt", {"stage": 3, "backend": "inductor",
-                                                          "keep_block_regions": keep}, 2)
+                                                          "keep_block_regions": keep,
+                                                          "chunked_loss": {"enabled": False}}, 2)
     jobs = [job for job in set(backend._COMPILED) - before if "backward" in job.final]
     logits = workers.MICRO * workers.SEQ * workers.VOCAB
     filled = [(str(n.target), tuple(n.meta["val"].shape)) for job in jobs

@@ -183,6 +183,19 @@ SCHEMA: dict[str, Any] = {
     "nonfinite": Key((str,), "off", "off, warn, skip or error: at optimizer.step(), all ranks learn whether any "
                      "rank's loss or gradients are NaN/inf and warn, skip the step, or raise NonFiniteGradients (one "
                      "small all-reduce per step when not off)", choices=("off", "warn", "skip", "error")),
+    "chunked_loss": Section({
+        "enabled": Key((bool,), True, "a language model's head and cross-entropy loss (linear -> [softcap] -> "
+                       "[float] -> view -> cross_entropy, as nanoGPT and Hugging Face's causal LMs compute them) run as "
+                       "one op a chunk of rows at a time, never holding the fp32 logits or their gradient whole "
+                       "(chunk_loss pass); false: as the model writes them"),
+        "chunk_bytes": Key(_SIZE, 32 << 20, "fp32 logits per chunk: '32MiB' or bytes (rows per chunk: this over 4 x "
+                           "the vocabulary)", size="bytes", positive=True),
+        "recompute_logits": Key((bool,), False, "logits the model returns (as nanoGPT and Hugging Face's models do) "
+                                "are kept for the backward, which reads them chunk by chunk (a caller holding "
+                                "`out` through the backward holds them anyway); true: the backward makes each chunk "
+                                "again (one more matmul per chunk) and the logits are freed when the caller drops "
+                                "them: the lowest peak"),
+    }, "the head and loss computed in chunks"),
     "tiling": Section({
         "min_bytes": Key(_SIZE, 64 << 20, "a linear whose weight has at least this many bytes is tiled: '64MiB' or "
                          "bytes", size="bytes", positive=True),
@@ -249,6 +262,13 @@ class Offload:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkedLoss:
+    enabled: bool = _default("chunked_loss", "enabled")
+    chunk_bytes: int = _default("chunked_loss", "chunk_bytes")  # fp32 logits per chunk
+    recompute_logits: bool = _default("chunked_loss", "recompute_logits")  # not kept for the backward
+
+
+@dataclasses.dataclass(frozen=True)
 class Tiling:
     min_bytes: int = _default("tiling", "min_bytes")  # a linear whose weight has at least this many bytes is tiled
     tiles: int = _default("tiling", "tiles")
@@ -279,6 +299,7 @@ class Config:
     hpz_partition_size: int | str = SCHEMA["hpz_partition_size"].default  # or "node"
     ranks_per_node: int | None = SCHEMA["ranks_per_node"].default
     offload: Offload = Offload()
+    chunked_loss: ChunkedLoss = ChunkedLoss()
     tiling: Tiling | None = None
     nonfinite: str = SCHEMA["nonfinite"].default
     source: str = "<defaults>"
@@ -496,7 +517,8 @@ def from_dict(raw: dict, where: str = "<options>") -> Config:
                  plan_activations=v["plan_activations"], accumulate_grads=v["accumulate_grads"],
                  persist_threshold=raw.get("persist_threshold", 0), quantize_weights=qw,
                  quantize_gradients=qg, hpz_partition_size=v["hpz_partition_size"],
-                 ranks_per_node=v["ranks_per_node"], offload=offload, tiling=tiling, nonfinite=v["nonfinite"],
+                 ranks_per_node=v["ranks_per_node"], offload=offload,
+                 chunked_loss=ChunkedLoss(**v["chunked_loss"]), tiling=tiling, nonfinite=v["nonfinite"],
                  source=where)
     if cfg.dump_dir:
         _check_writable_dir(cfg.dump_dir, "ZCOMPILE_DUMP_DIR" if os.environ.get("ZCOMPILE_DUMP_DIR") else

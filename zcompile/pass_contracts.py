@@ -34,6 +34,7 @@ def _c(phase, provides, requires=(), writes=(), reads=(), enabled_by=None) -> Co
 
 CONTRACTS: dict[str, Contract] = {
     "mixed_precision": _c("dynamo", {"compute_dtype"}),
+    "chunk_loss": _c("dynamo", {"chunked_loss"}),
     "tile_linears": _c("dynamo", {"tiles"}, enabled_by="tiling"),
     "tag_param_recompute": _c("joint", {"param_recompute"}),
     "shard_params": _c("split", {"param_shards"}, writes={"param", "tile"}),

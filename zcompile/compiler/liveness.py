@@ -20,8 +20,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zcompile.compiler import collectives, inductor_buffers
 from zcompile.compiler.meta_keys import INDUCTOR, PARAMETER, RELEASED  # noqa: F401 (read as liveness.*)
+from zcompile.kernels import linear_cross_entropy
 
-
+_CHUNKED_LOSS = (torch.ops.zcompile.linear_cross_entropy.default,
+                 torch.ops.zcompile.linear_cross_entropy_backward.default)
 
 
 def mark_released(bw: fx.GraphModule, names) -> None:
@@ -161,6 +163,41 @@ def gloo_copy_bytes(node: fx.Node) -> int:
     return storage_bytes(node.args[0].meta["val"])
 
 
+def workspace_bytes(node: fx.Node, symbolic: bool = False):
+    """Bytes an opaque op of zcompile's allocates and frees inside its call (the chunked head and loss's chunks); with
+    `symbolic` and a dynamic token count, as an expression in it (peak_exprs)."""
+    if node.op != "call_function" or node.target not in _CHUNKED_LOSS:
+        return 0
+    a = node.args
+    if node.target is _CHUNKED_LOSS[1]:  # (grad_loss, grad_logits, logits, x, weight, ..., rows, fused)
+        backward, x, weight, rows, fused, at_hand = True, a[3], a[4], a[11], a[12], a[2] is not None
+    else:  # (x, weight, bias, target, ..., softcap, rows, return_logits, loss_fp32, fused, save_logits)
+        backward, x, weight, rows, fused, at_hand = False, a[0], a[1], a[8], a[11], a[9] and a[2] is None and not a[7]
+    shape = _shape(weight)
+    if shape is None or "val" not in x.meta:
+        return 0
+    vocab, dim = int(shape[0]), int(shape[1])
+
+    def work(r):  # linear in the rows of a chunk
+        return linear_cross_entropy.workspace_bytes(backward, r, vocab, dim, x.meta["val"].dtype.itemsize, fused,
+                                                    at_hand)
+    n = x.meta["val"].numel() // dim
+    if isinstance(n, int):
+        return work(min(rows, n))
+    if symbolic:
+        return (work(1) - work(0)) * sympy.Min(rows, n.node.expr) + work(0)
+    return work(min(rows, planned_size(n)))  # a dynamic count: as the plan counts sizes
+
+
+def _shape(node: fx.Node):
+    """A value's shape, from its fake value or, for a view shard_params made (no fake value), its arguments."""
+    if "val" in node.meta:
+        return tuple(node.meta["val"].shape)
+    if node.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default):
+        return tuple(node.args[1])
+    return None
+
+
 def compiled_by_inductor(gm: fx.GraphModule, regional: bool | str) -> None:
     """Mark `gm` as compiled by inductor (in regions per block when `regional`): what inductor computes inside its
     kernels is then not counted (inductor_buffers)."""
@@ -224,6 +261,12 @@ def _lifetimes(gm: fx.GraphModule, sizer) -> tuple[list, dict, dict, set, set, d
             size[key] = copy
             storages_of[n] = storages_of[n] + [key]
             last_use[key] = max([position[n]] + [position[w] for w in collectives.waits_of(n)])
+        scratch = workspace_bytes(n, symbolic=sizer is not storage_bytes)
+        if scratch:
+            key = ("workspace", n.name)
+            size[key] = scratch
+            storages_of[n] = storages_of[n] + [key]
+            last_use[key] = position[n]
     for a in gm.graph.output_node().all_input_nodes:
         for key in storages_of.get(a, []):
             last_use[key] = len(nodes)

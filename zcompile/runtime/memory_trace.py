@@ -20,6 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from zcompile.kernels import linear_cross_entropy
+
 _C10D = torch.ops._c10d_functional
 
 
@@ -56,7 +58,12 @@ class LiveStorageTracker(TorchDispatchMode):
             self.bytes -= self.live.pop(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        body = linear_cross_entropy.BODIES.get(func)
+        if body is not None:  # one of zcompile's ops: its own ops (each chunk's temporaries) are tracked too
+            with self:
+                out = body(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         self._drop_freed()  # what the generated code released since the last op
         self.track(out)
         if func is _C10D.reduce_scatter_tensor.default and args[0].device.type == "cpu":
