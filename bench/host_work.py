@@ -40,10 +40,11 @@ _GRAPH_CALL = "## Call CompiledFxGraph"
 _AUTOGRAD = "autograd::engine::evaluate_function: "
 
 
-def _inside_op(e) -> bool:
+def _under(e, prefixes) -> bool:
+    """Some enclosing profiler event's name starts with one of `prefixes`."""
     parent = e.cpu_parent
     while parent is not None:
-        if parent.name.startswith("zcompile::"):
+        if parent.name.startswith(prefixes):
             return True
         parent = parent.cpu_parent
     return False
@@ -55,18 +56,12 @@ def counts(events) -> dict:
     for e in events:
         name = e.name
         if name.startswith(_GRAPH_CALL):
-            graphs += not _inside_op(e)  # (not the chunked loss op's own inductor kernels)
+            graphs += not _under(e, ("zcompile::",))  # (not the chunked loss op's own inductor kernels)
         elif name.startswith(_AUTOGRAD):
             autograd += 1
             accumulate += name.endswith("AccumulateGrad")
         elif name.startswith(_OP_PREFIXES):
-            parent, top = e.cpu_parent, True
-            while parent is not None:
-                if parent.name.startswith(_OP_PREFIXES) or parent.name.startswith(_GRAPH_CALL):
-                    top = False
-                    break
-                parent = parent.cpu_parent
-            eager += top
+            eager += not _under(e, _OP_PREFIXES + (_GRAPH_CALL,))
     return {"eager_ops": eager, "graph_calls": graphs, "autograd_nodes": autograd, "accumulate_grad": accumulate}
 
 

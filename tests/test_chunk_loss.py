@@ -2,8 +2,6 @@
 and the chunk_loss pass on dynamo graphs of small models (which chains it replaces, which it leaves, and that the
 rewritten graph computes what the original did). End to end, every test that trains a model with a cross-entropy
 head runs it (on by default); the last test checks what it saves and that the planner counts it."""
-import operator
-
 import pytest
 import torch
 import torch.nn as nn
@@ -11,7 +9,7 @@ import torch.nn.functional as F
 
 from tests.pass_graphs import context
 from zcompile.compiler.passes import chunk_loss
-from zcompile.kernels import linear_cross_entropy as lce  # noqa: F401  (registers the ops)
+from zcompile.kernels import linear_cross_entropy as lce
 
 OP = torch.ops.zcompile.linear_cross_entropy.default
 N_ROWS, DIM, VOCAB, ROWS = 26, 16, 50, 5  # 26 rows in chunks of 5: a ragged last chunk
@@ -34,7 +32,7 @@ CASES = {  # name: (reduction, label_smoothing, softcap, bias, ignore_index, tie
 }
 
 
-def _run(case, dtype, chunked, fused=False, save_logits=True, rows=ROWS):
+def _run(case, dtype, chunked, fused=False, save_logits=True):
     reduction, smoothing, softcap, bias, ignore_index, tied = CASES[case]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, N_ROWS // 2, DIM, generator=g).to(dtype).requires_grad_()
@@ -45,7 +43,7 @@ def _run(case, dtype, chunked, fused=False, save_logits=True, rows=ROWS):
     tangent = torch.randn(2, N_ROWS // 2, VOCAB, generator=g) * 0.01  # a gradient reaching the returned logits
     h = x + F.embedding(torch.arange(N_ROWS // 2), w[:N_ROWS // 2]) if tied else x  # the weight used twice
     if chunked:
-        loss, z = OP(h, w, b, t, ignore_index, reduction, smoothing, softcap, rows, True, True, fused, save_logits)
+        loss, z = OP(h, w, b, t, ignore_index, reduction, smoothing, softcap, ROWS, True, True, fused, save_logits)
     else:
         loss, z = _reference(h, w, b, t, ignore_index, reduction, smoothing, softcap, True)
     (loss + (z.float() * tangent).sum()).backward()
@@ -223,7 +221,7 @@ def test_the_pass_is_off_when_disabled():
 def test_chunk_rows_follow_the_chunk_bytes():
     assert lce.chunk_rows(32 << 20, 50304) == (32 << 20) // (4 * 50304)
     assert lce.chunk_rows(10, 50304) == 1
-    assert operator.index(lce.chunk_rows(4 * VOCAB * ROWS, VOCAB)) == ROWS
+    assert lce.chunk_rows(4 * VOCAB * ROWS, VOCAB) == ROWS
 
 
 # -- end to end: what it saves, and what the planner counts
@@ -260,8 +258,8 @@ def _big_vocab_run(rank: int, world: int, config: dict) -> dict:
     logits = 4 * 64 * BIG_VOCAB
     big = [(str(n.target), tuple(n.meta["val"].shape)) for job in set(backend._COMPILED) - before
            for n in job.final["backward"].graph.nodes
-           if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float32
-           and n.meta["val"].numel() >= logits]
+           if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
+           and n.meta["val"].dtype == torch.float32 and n.meta["val"].numel() >= logits]
     return {"losses": losses, "fp32_logits": big, "runs": workers._lowest_runs(runs)}
 
 

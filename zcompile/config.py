@@ -185,16 +185,17 @@ SCHEMA: dict[str, Any] = {
                      "small all-reduce per step when not off)", choices=("off", "warn", "skip", "error")),
     "chunked_loss": Section({
         "enabled": Key((bool,), True, "a language model's head and cross-entropy loss (linear -> [softcap] -> "
-                       "[float] -> view -> cross_entropy, as nanoGPT and Hugging Face's causal LMs compute them) run as "
-                       "one op a chunk of rows at a time, never holding the fp32 logits or their gradient whole "
+                       "[float] -> view -> cross_entropy, as nanoGPT and Hugging Face's causal LMs compute them) run "
+                       "as one op a chunk of rows at a time, never holding the fp32 logits or their gradient whole "
                        "(chunk_loss pass); false: as the model writes them"),
-        "chunk_bytes": Key(_SIZE, 32 << 20, "fp32 logits per chunk: '32MiB' or bytes (rows per chunk: this over 4 x "
-                           "the vocabulary)", size="bytes", positive=True),
+        "chunk_bytes": Key(_SIZE, 32 << 20, "fp32 logits per chunk: '32MiB' or bytes (rows per chunk at most this "
+                           "over 4 x the vocabulary; with inductor the largest divisor of the token count down to "
+                           "half of that)", size="bytes", positive=True),
         "recompute_logits": Key((bool,), False, "logits the model returns (as nanoGPT and Hugging Face's models do) "
                                 "are kept for the backward, which reads them chunk by chunk (a caller holding "
                                 "`out` through the backward holds them anyway); true: the backward makes each chunk "
                                 "again (one more matmul per chunk) and the logits are freed when the caller drops "
-                                "them: the lowest peak"),
+                                "them: the lowest peak; always so under a memory_budget"),
     }, "the head and loss computed in chunks"),
     "tiling": Section({
         "min_bytes": Key(_SIZE, 64 << 20, "a linear whose weight has at least this many bytes is tiled: '64MiB' or "

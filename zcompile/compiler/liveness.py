@@ -22,9 +22,6 @@ from zcompile.compiler import collectives, inductor_buffers
 from zcompile.compiler.meta_keys import INDUCTOR, PARAMETER, RELEASED  # noqa: F401 (read as liveness.*)
 from zcompile.kernels import linear_cross_entropy
 
-_CHUNKED_LOSS = (torch.ops.zcompile.linear_cross_entropy.default,
-                 torch.ops.zcompile.linear_cross_entropy_backward.default)
-
 
 def mark_released(bw: fx.GraphModule, names) -> None:
     """Mark the backward's placeholders `names` (saved activations nothing but autograd holds) as freed after their
@@ -166,21 +163,16 @@ def gloo_copy_bytes(node: fx.Node) -> int:
 def workspace_bytes(node: fx.Node, symbolic: bool = False):
     """Bytes an opaque op of zcompile's allocates and frees inside its call (the chunked head and loss's chunks); with
     `symbolic` and a dynamic token count, as an expression in it (peak_exprs)."""
-    if node.op != "call_function" or node.target not in _CHUNKED_LOSS:
+    if node.op != "call_function" or node.target not in linear_cross_entropy.BODIES:
         return 0
-    a = node.args
-    if node.target is _CHUNKED_LOSS[1]:  # (grad_loss, grad_logits, logits, x, weight, ..., rows, fused)
-        backward, x, weight, rows, fused, at_hand = True, a[3], a[4], a[11], a[12], a[2] is not None
-    else:  # (x, weight, bias, target, ..., softcap, rows, return_logits, loss_fp32, fused, save_logits)
-        backward, x, weight, rows, fused, at_hand = False, a[0], a[1], a[8], a[11], a[9] and a[2] is None and not a[7]
+    x, weight, rows = linear_cross_entropy.call_operands(node.target, node.args)
     shape = _shape(weight)
     if shape is None or "val" not in x.meta:
         return 0
     vocab, dim = int(shape[0]), int(shape[1])
 
     def work(r):  # linear in the rows of a chunk
-        return linear_cross_entropy.workspace_bytes(backward, r, vocab, dim, x.meta["val"].dtype.itemsize, fused,
-                                                    at_hand)
+        return linear_cross_entropy.call_workspace(node.target, node.args, r, vocab, dim, x.meta["val"].dtype.itemsize)
     n = x.meta["val"].numel() // dim
     if isinstance(n, int):
         return work(min(rows, n))

@@ -44,10 +44,20 @@ def workspace_bytes(backward: bool, rows: int, vocab: int, dim: int, itemsize: i
     return work
 
 
+def _writes_returned_logits(return_logits: bool, bias, softcap: float) -> bool:
+    """The forward's matmul writes each chunk straight into the returned logits (nothing to cap or add after it)."""
+    return bool(return_logits) and bias is None and not softcap
+
+
+def _capped(y: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The logits as the model makes them from the linear's output (Gemma's final softcapping)."""
+    return torch.tanh(y / softcap) * softcap if softcap else y
+
+
 def _forward_chunk(y: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                    softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the chunk's logits, as the model makes them from the linear's output `y`; the sum of its rows' loss)."""
-    z = torch.tanh(y / softcap) * softcap if softcap else y
+    z = _capped(y, softcap)
     zf = z.float()
     log_p = torch.log_softmax(zf, dim=-1)
     valid = target != ignore_index
@@ -166,7 +176,7 @@ def _linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        in_place = flat_logits is not None and bias is None and not softcap  # the returned logits, no copy
+        in_place = _writes_returned_logits(return_logits, bias, softcap)
         if in_place:
             y = torch.mm(flat[start:end], weight.t(), out=flat_logits[start:end])
         else:
@@ -215,9 +225,7 @@ def _linear_cross_entropy_backward(grad_loss: torch.Tensor, grad_logits: Optiona
         if flat_logits is not None:
             z = flat_logits[start:end]
         else:
-            z = torch.nn.functional.linear(xc, weight, bias)
-            if softcap:
-                z = torch.tanh(z / softcap) * softcap
+            z = _capped(torch.nn.functional.linear(xc, weight, bias), softcap)
         g = chunks.backward(z, t, scale, flat_grad_logits[start:end] if flat_grad_logits is not None else None)
         torch.mm(g, weight, out=grad_x[start:end])
         if weight.dtype == torch.float32:
@@ -260,6 +268,21 @@ def _backward(ctx, grad_loss, grad_logits):
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup)
+
+
+def call_operands(op, args) -> tuple:
+    """(x, weight, rows per chunk) of a call of either op, from its positional arguments."""
+    a = dict(zip((s.name for s in op._schema.arguments), args))
+    return a["x"], a["weight"], a["rows"]
+
+
+def call_workspace(op, args, rows: int, vocab: int, dim: int, itemsize: int) -> int:
+    """workspace_bytes of a call of either op with chunks of `rows` rows, the rest read from its arguments."""
+    a = dict(zip((s.name for s in op._schema.arguments), args))
+    if op is torch.ops.zcompile.linear_cross_entropy_backward.default:
+        return workspace_bytes(True, rows, vocab, dim, itemsize, a["fused"], a["logits"] is not None)
+    at_hand = _writes_returned_logits(a["return_logits"], a["bias"], a["softcap"])
+    return workspace_bytes(False, rows, vocab, dim, itemsize, a["fused"], at_hand)
 
 
 # The ops' bodies, by op: zcompile.measure_memory runs them op by op under its tracker, which then sees each chunk's

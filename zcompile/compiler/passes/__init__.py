@@ -9,15 +9,15 @@ import torch.fx as fx
 
 from zcompile.compiler import collectives
 from zcompile.pass_contracts import CONTRACTS, written_fields
-from zcompile.compiler.passes import (bucket_collectives, chunk_loss, mixed_precision, offload_activations, offload_grads,
-                                      offload_params, prefetch, quantize_gradients, quantize_weights, reduce_grads,
-                                      secondary_partition, shard_params, tag_param_recompute, tile_linears,
-                                      update_in_backward)
+from zcompile.compiler.passes import (bucket_collectives, chunk_loss, mixed_precision, offload_activations,
+                                      offload_grads, offload_params, prefetch, quantize_gradients, quantize_weights,
+                                      reduce_grads, secondary_partition, shard_params, tag_param_recompute,
+                                      tile_linears, update_in_backward)
 
 PASSES: dict[str, Callable] = {m.__name__.rsplit(".", 1)[1]: m.run for m in (
-    mixed_precision, chunk_loss, tile_linears, tag_param_recompute, shard_params, offload_params, secondary_partition,
-    quantize_weights, reduce_grads, bucket_collectives, quantize_gradients, offload_grads, update_in_backward,
-    offload_activations, prefetch)}
+    mixed_precision, chunk_loss, tile_linears, tag_param_recompute, shard_params, offload_params,
+    secondary_partition, quantize_weights, reduce_grads, bucket_collectives, quantize_gradients, offload_grads,
+    update_in_backward, offload_activations, prefetch)}
 assert PASSES.keys() == CONTRACTS.keys(), "every pass has a contract and every contract a pass"
 
 
