@@ -14,7 +14,7 @@ Reports per run: compile time, step time, where zcompile's compile time goes (dy
 partitioner, zcompile's passes, fake propagation, liveness, inductor per graph), the first optimizer step (both
 systems), inductor's FX graph cache and AOTAutograd cache hits/misses, and for zcompile how many graph regions ran,
 how many of them ran compiled code (the others eagerly) and how many distinct ones were compiled
-(backends/regions.py), with each inductor compile's seconds, nodes and kernels in the JSON ('region compiles'), and
+(codegen/regions.py), with each inductor compile's seconds, nodes and kernels in the JSON ('region compiles'), and
 the kernels inductor built in the cold launch (distinct sources, and the kernels each cached graph defines, summed).
 Writes a Markdown table, a JSON file and a PNG plot to bench/results.
 """
@@ -85,23 +85,23 @@ def _dynamo_phases() -> dict:
 def _time_first_trace() -> dict:
     """Times dynamo's first trace of the step, which zcompile ends by a restart once it made the parameters
     DTensors: seconds from the step's start to that restart, under 'first trace'."""
-    from zcompile.compiler import backend
-    record, shard = {}, backend._shard_modules_of
+    from zcompile.compiler.tracing import dynamo_graph
+    record, shard = {}, dynamo_graph.shard_modules_of
 
     def timed(*a, **kw):
         try:
             return shard(*a, **kw)
-        except backend._ParametersSharded:
+        except dynamo_graph.ParametersSharded:
             record.setdefault("first trace", time.perf_counter() - record["start"])
             raise
-    backend._shard_modules_of = timed
+    dynamo_graph.shard_modules_of = timed
     return record
 
 
 def _time_region_compiles() -> list:
     """Seconds, FX nodes and generated C++/Triton kernels of each inductor compile zcompile makes (one per distinct
     region, in compile order), under 'region compiles' in the JSON."""
-    from zcompile.compiler.backends import inductor
+    from zcompile.compiler.codegen import inductor
     record, compile_inductor = [], inductor.compile_inductor
 
     def timed(gm, example_inputs, kind):

@@ -183,7 +183,7 @@ def use_cache_run(rank: int, world: int, trace_blocks_once: bool) -> dict:
     KV cache the last forward returned (layers filled, their length) and, per graph dynamo handed the backend, its
     region calls and distinct region bodies."""
     import transformers as tf
-    from zcompile.compiler import trace_blocks_once as tbo
+    from zcompile.compiler.tracing import trace_blocks_once as tbo
     seen, inline = [], tbo.inline
 
     def counting(gm, **kwargs):

@@ -8,11 +8,11 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zcompile import config as zconfig
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from zcompile.runtime import shard_store
 from zcompile.runtime.dist_context import DistContext
-from zcompile.compiler.pass_context import PassContext
-from zcompile.compiler.topology import Topology
+from zcompile.compiler.graph.pass_context import PassContext
+from zcompile.compiler.graph.topology import Topology
 
 
 def trace(fn, *shapes, dtypes=None) -> fx.GraphModule:

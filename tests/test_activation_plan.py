@@ -11,8 +11,8 @@ from functorch.compile import aot_function, min_cut_rematerialization_partition,
 
 from tests import workers
 from tests.harness import run_world
-from zcompile.compiler import activation_plan, recompute, timeline
-from zcompile.compiler.planner import ActivationChoice, choose_activations
+from zcompile.compiler.planning import activation_plan, recompute, timeline
+from zcompile.compiler.planning.planner import ActivationChoice, choose_activations
 from zcompile.tools import plan as zplan
 
 
@@ -90,7 +90,7 @@ def test_recompute_chains_stay_in_their_block():
     """Recomputing block 0's saved values starts from the block's input, which the forward then saves (as
     checkpointing a block does); it never runs the embedding lookup again (nor, under ZeRO-3, its gathers)."""
     from torch._dynamo.backends.common import aot_autograd
-    from zcompile.compiler.blocks import block_of
+    from zcompile.compiler.graph.blocks import block_of
     record = {}
 
     def partition(joint, inputs, *, num_fwd_outputs, **kw):
@@ -199,7 +199,7 @@ def test_attention_and_the_view_of_its_output_go_out_together(dropout_p):
 def test_the_budget_error_names_gradients_of_outputs_the_loss_does_not_use():
     """A forward that returns more than its loss (logits, a Hugging Face model's K/V cache) gets, in the backward,
     a gradient per output: autograd fills the unused ones with zeros, and MemoryBudgetError names their bytes."""
-    from zcompile.compiler.backend import _tangents_note
+    from zcompile.compiler.planning.budget import tangents_note as _tangents_note
     record = {}
 
     def partition(joint, inputs, *, num_fwd_outputs, **kw):

@@ -1,10 +1,10 @@
 """AOTAutograd's readable graph strings are made during zcompile's compile only when a log reads them
-(compiler/aot_graph_logs.py): off by default, on with TORCH_LOGS=aot_graphs (or a structured trace)."""
+(compiler/debug/aot_graph_logs.py): off by default, on with TORCH_LOGS=aot_graphs (or a structured trace)."""
 import torch
 
 from tests import workers
 from tests.harness import run_world
-from zcompile.compiler import aot_graph_logs
+from zcompile.compiler.debug import aot_graph_logs
 
 
 def _compile_and_count(rank: int, world: int, log: bool) -> dict:

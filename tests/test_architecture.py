@@ -86,6 +86,65 @@ def test_layers_depend_one_way():
     assert not bad, bad
 
 
+# Inside the compiler, its stages top to bottom (zcompile/compiler/__init__.py): a stage imports only its own
+# modules and those of the stages below it.
+COMPILER_STAGES = [("wiring", ("zcompile.compiler.backend", "zcompile.compiler.job", "zcompile.compiler.memory_plan")),
+                   ("codegen", ("zcompile.compiler.codegen",)), ("passes", ("zcompile.compiler.passes",)),
+                   ("debug", ("zcompile.compiler.debug",)), ("planning", ("zcompile.compiler.planning",)),
+                   ("tracing", ("zcompile.compiler.tracing",)), ("graph", ("zcompile.compiler.graph",))]
+
+
+def _stage(module: str) -> int | None:
+    for k, (_, prefixes) in enumerate(COMPILER_STAGES):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return k
+    return None
+
+
+def _stage_violations(graph: dict[str, set[str]]) -> tuple[list[str], list[str]]:
+    """(compiler modules in no stage, imports that run up a stage) of an import graph."""
+    compiler = [m for m in graph if m.startswith("zcompile.compiler.")]
+    unplaced = [m for m in compiler if _stage(m) is None]
+    up = [f"{m} -> {d}" for m in compiler if _stage(m) is not None
+          for d in graph[m] if d.startswith("zcompile.compiler") and (_stage(d) is None or _stage(d) < _stage(m))]
+    return unplaced, up
+
+
+def test_compiler_stages_depend_one_way():
+    """Every module of the compiler is in a stage folder (or the wiring), and none imports from a stage above its
+    own: the graph vocabulary imports no stage, tracing no planning, planning no pass, and so on up."""
+    unplaced, up = _stage_violations(_import_graph())
+    assert not unplaced, unplaced
+    assert not up, up
+
+
+def test_stage_check_finds_an_import_up_a_stage():
+    graph = {"zcompile.compiler.planning.liveness": {"zcompile.compiler.codegen.regions"},
+             "zcompile.compiler.codegen.regions": {"zcompile.compiler.graph.blocks"},
+             "zcompile.compiler.graph.blocks": set(), "zcompile.compiler.stray": set()}
+    assert _stage_violations(graph) == (["zcompile.compiler.stray"],
+                                        ["zcompile.compiler.planning.liveness -> zcompile.compiler.codegen.regions"])
+
+
+def _long_classes(root: pathlib.Path, limit: int) -> list[str]:
+    found = []
+    for p in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit:
+                found.append(f"{p.relative_to(root).as_posix()} {node.name} {node.end_lineno - node.lineno + 1}")
+    return found
+
+
+def test_the_compilers_wiring_and_classes_stay_small(tmp_path):
+    """backend.py only wires the stages (at most 300 lines) and no class of the compiler carries more than one job
+    (at most 200 lines): the plan's search, the budget, the commit each live in their stage."""
+    compiler = ROOT / "compiler"
+    assert len((compiler / "backend.py").read_text().splitlines()) <= 300
+    assert not _long_classes(compiler, 200), _long_classes(compiler, 200)
+    (tmp_path / "m.py").write_text("class Long:\n" + "    x = 1\n" * 200 + "\n\nclass Short:\n    y = 2\n")
+    assert _long_classes(tmp_path, 200) == ["m.py Long 201"]  # the check sees a long class
+
+
 _STATEFUL_CALLS = {"dict", "list", "set", "Counter", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "count",
                    "local", "Lock", "RLock"}
 
@@ -155,7 +214,7 @@ def test_undeclared_record_field_is_caught():
     """A pass that sets a record field its contract does not declare fails right after it runs."""
     import torch
     import torch.fx as fx
-    from zcompile.compiler import collectives
+    from zcompile.compiler.graph import collectives
     from zcompile.compiler.passes import check_records
     g = fx.Graph()
     x = g.placeholder("x")

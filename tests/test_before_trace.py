@@ -1,5 +1,5 @@
 """zcompile shards a model when dynamo starts compiling it for the zero backend, so the first trace reads the
-DTensor parameters and is not thrown away (compiler/before_trace.py); the backend's restart path stays for what
+DTensor parameters and is not thrown away (compiler/tracing/before_trace.py); the backend's restart path stays for what
 the hook cannot see. The collector is off from the start of each zero-backend compile."""
 import gc
 
@@ -8,7 +8,7 @@ import torch
 
 from tests import workers
 from tests.harness import run_world
-from zcompile.compiler import before_trace
+from zcompile.compiler.tracing import before_trace
 from zcompile.runtime import dtensor_params
 
 needs_trace_once = pytest.mark.skipif(not dtensor_params.trace_once_supported(),

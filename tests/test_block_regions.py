@@ -1,5 +1,5 @@
-"""keep_block_regions (compiler/block_regions.py): the blocks dynamo traced once go through AOTAutograd as regions
-(one joint trace and partition per distinct block), then are inlined for the split passes. Trained on gloo against
+"""keep_block_regions (compiler/tracing/block_regions.py): the blocks dynamo traced once go through AOTAutograd as
+regions (one joint trace and partition per distinct block), then are inlined for the split passes. Trained on gloo against
 the single-process reference; the forward saves no gathered weight for the backward (what the region's own
 partition did before it ran tag_param_recompute); where a region cannot stay one, the blocks are inlined first."""
 import pytest
@@ -11,7 +11,7 @@ from tests.test_parity import TOL, max_diff
 from tests.test_trace_blocks_once import MarkedBlock, _dynamo_graph, _saved_gathered
 from tests.test_regions import Net
 from zcompile import config as zconfig
-from zcompile.compiler import block_regions
+from zcompile.compiler.tracing import block_regions
 from zcompile.runtime import dtensor_params
 
 pytestmark = pytest.mark.skipif(not dtensor_params.trace_once_supported(),
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not dtensor_params.trace_once_supported(),
 
 def _train(rank: int, world: int, name: str, config: dict, steps: int) -> dict:
     import zcompile
-    from zcompile.compiler import backend, blocks
+    from zcompile.compiler import backend
+    from zcompile.compiler.graph import blocks
     before = set(backend._COMPILED)
     model, _, losses = workers.train(rank, world, name, config, steps)
     jobs = set(backend._COMPILED) - before
@@ -156,7 +157,7 @@ def test_kept_regions_with_dynamic_dims_that_differ_between_ranks():
 def _regions_compiled(rank: int, world: int, name: str, config: dict, steps: int):
     """_train, how many distinct regions each regional compile built (compile_one stubbed: the regions run eagerly,
     so the test pays no inductor compile), and per program how many regions it runs and how many run compiled."""
-    from zcompile.compiler.backends import regions
+    from zcompile.compiler.codegen import regions
     counts, totals, cut = [], [], regions.compile_regions
 
     def compile_regions(gm, example_inputs, compile_one, *args, **kwargs):

@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zcompile.compiler import fake_values
+from zcompile.compiler.graph import fake_values
 
 
 def _block(x, w):

@@ -1,12 +1,12 @@
 """A second launch loads each graph's transformed forward and backward from AOTAutograd's cache
-(compiler/graph_cache.py) and trains exactly as the first, which compiled them."""
+(compiler/codegen/graph_cache.py) and trains exactly as the first, which compiled them."""
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests import workers
 from tests.harness import run_world
 from tests.test_fake_values import _describe, _model
-from zcompile.compiler import graph_cache
+from zcompile.compiler.codegen import graph_cache
 
 ZEROPP = {"stage": 3, "backend": "eager", "quantize_weights": {}, "quantize_gradients": {"block": 64}}
 CASES = [

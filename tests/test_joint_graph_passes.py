@@ -1,5 +1,5 @@
-"""Inductor's joint-graph passes run on zcompile's joint graphs (backend.py joint_graph_passes), as torch.compile runs
-them in its own partition function: scatter_upon_const_tensor turns the NLL loss's backward (a logits-size fp32
+"""Inductor's joint-graph passes run on zcompile's joint graphs (tracing/partition.py, from job.py), as torch.compile
+runs them in its own partition function: scatter_upon_const_tensor turns the NLL loss's backward (a logits-size fp32
 `full` of zeros scattered into) into one pointwise `where`, which inductor fuses into the softmax's gradient. One
 process (world 1), the GPT at stage 3 under inductor with its blocks kept as regions (torch >= 2.13) and inlined;
 against the same compile with inductor's joint passes turned off. (The chunked head and loss, on by default,

@@ -129,7 +129,7 @@ def test_graph_breaks_map_parameters_by_identity():
                     reason="torch 2.11: zcompile shards after dynamo's first trace, not before it")
 def test_blocks_left_to_eager_code_train_like_the_reference():
     """A graph break dynamo cannot resume from (inside the loop over blocks) leaves the blocks to eager code. The
-    parameters were sharded when dynamo started the frame (compiler/before_trace.py), so the eager blocks gather
+    parameters were sharded when dynamo started the frame (compiler/tracing/before_trace.py), so the eager blocks gather
     and reduce through the DTensor parameters, as with FSDP2."""
     ref_params, ref_losses = workers.reference("gpt_loop_break", 2, steps=3)
     for rank, res in enumerate(run_world(2, workers.parity, "gpt_loop_break", [3], steps=3)):

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.pass_graphs import call, context, node, ops, records, trace
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from zcompile.compiler.passes import (bucket_collectives, mixed_precision, offload_activations, offload_grads,
                                       offload_params, prefetch, quantize_gradients, quantize_weights, reduce_grads,
                                       secondary_partition, shard_params, tag_param_recompute, tile_linears,

@@ -1,10 +1,10 @@
-"""passes/placement.hoist on small hand-built graphs (single process): moved nodes keep their inputs before them."""
+"""graph/placement.hoist on small hand-built graphs (single process): moved nodes keep their inputs before them."""
 import operator
 
 import torch
 import torch.fx as fx
 
-from zcompile.compiler.passes import placement
+from zcompile.compiler.graph import placement
 
 
 def _graph():

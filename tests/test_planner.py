@@ -6,7 +6,7 @@ import re
 import pytest
 
 from tests import workers
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from tests.harness import run_world
 from tests.test_parity import TOL, max_diff
 
@@ -146,7 +146,7 @@ def test_plan_cli_writes_schedule_trace_and_json(tmp_path):
 
 
 def test_memory_plot_and_dumped_timeline(tmp_path):
-    from zcompile.compiler import timeline
+    from zcompile.compiler.planning import timeline
     config = {"stage": 3, "backend": "eager", "dump": str(tmp_path)}
     runs = run_world(2, workers.planned_vs_measured, "gpt", config)[0]
     timeline.plot_memory(runs, str(tmp_path / "memory.png"))
@@ -215,7 +215,7 @@ def test_step_peak_counts_gradients_as_configured(accumulate):
     backward's gradient outputs (in its own peak) become them. Parameters a graph does not read are added to its
     peak; the optimizer step (parameters, gradients, state) is a candidate too, the peak of a step whose graphs
     hold little without the gradients."""
-    from zcompile.compiler import liveness, planner
+    from zcompile.compiler.planning import liveness, planner
     state = planner.ModelState(param=100, grad=100, optim=200)
     fw = liveness.Liveness([], peak_bytes=1000, peak_node="mm", input_bytes=110, param_bytes=100)
     bw = liveness.Liveness([], peak_bytes=1500, peak_node="mm_1", input_bytes=80, param_bytes=60)

@@ -1,4 +1,4 @@
-"""Regional compile (zcompile/compiler/backends/regions.py), single process: the cut points, that repeated blocks
+"""Regional compile (zcompile/compiler/codegen/regions.py), single process: the cut points, that repeated blocks
 share one compiled region whatever the depth, that the program matches the model and drops each value after its
 last reader. (The 2-rank inductor runs in test_parity, test_zeropp and test_offload go through it with collectives.)"""
 import pytest
@@ -8,9 +8,10 @@ import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from zcompile.runtime import dtensor_params
-from zcompile.compiler.backends import regions
+from zcompile.compiler.codegen import regions
+from zcompile.compiler.planning import region_cuts
 
 
 class Block(nn.Module):
@@ -245,7 +246,7 @@ def test_no_cut_separates_a_tuple_from_its_items():
     add = _node(g, torch.ops.aten.add.Tensor, (relu, mean), "L['self'].blocks.2")
     add.meta["val"] = x.meta["val"]
     g.output((add,))
-    cut, _ = regions.block_regions(g)
+    cut, _ = region_cuts.block_regions(g)
     where = {n: k for k, r in enumerate(cut) for n in r}
     assert where[vm] == where[mean], cut  # the tuple never crosses a cut
     assert where[add] != where[vm], cut  # block 2 still starts a region
@@ -317,7 +318,7 @@ def test_a_held_collective_input_is_held_until_the_wait_and_crosses_a_cut_to_it(
     """hold_collective_inputs: the gather reads its input through one realized node, which `held_until` holds until
     the gather's waited result is ready; regional compile hands that node to the waiting region, which drops it as
     it starts (the compiled region keeps it to the hold)."""
-    from zcompile.compiler.backends.inductor import hold_collective_inputs
+    from zcompile.compiler.codegen.inductor import hold_collective_inputs
     wait_op, hold_op = torch.ops._c10d_functional.wait_tensor.default, torch.ops.zcompile.held_until.default
     gm = hold_collective_inputs(_gather_in_flight_graph("L['self'].blocks.1"))
     nodes = list(gm.graph.nodes)
@@ -498,7 +499,7 @@ def test_a_graph_without_blocks_is_compiled_as_one_region():
 def _inductor_code_of_a_gather_in_flight(rank: int, world: int, hold: bool) -> tuple[str, bool]:
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
-    from zcompile.compiler.backends.inductor import compile_inductor, hold_collective_inputs
+    from zcompile.compiler.codegen.inductor import compile_inductor, hold_collective_inputs
     gm = _gather_in_flight_graph("L['self'].blocks.0", dist.group.WORLD.group_name)
     if hold:
         gm = hold_collective_inputs(gm)
@@ -580,7 +581,8 @@ def _isa_probe_calls(rank: int, world: int, flags: list | None = None) -> dict:
 
     from torch._inductor import cpu_vec_isa
 
-    from zcompile.compiler.backends import inductor as zinductor, warmup
+    from zcompile.compiler.codegen import inductor as zinductor
+    from zcompile.compiler.tracing import warmup
     if flags is not None:
         cpu_vec_isa.x86_isa_checker = lambda: list(flags)
 
@@ -613,7 +615,7 @@ def _isa_probe_calls(rank: int, world: int, flags: list | None = None) -> dict:
 
 @pytest.mark.parametrize("flags", [None, ["avx2"]], ids=["this-cpu", "avx2-only"])
 def test_inductor_probes_the_cpu_isa_in_the_background_before_its_first_compile(flags, tmp_path):
-    """zcompile/compiler/backends/warmup.py: the zero backend starts inductor's one-time ISA check (a g++ build of
+    """zcompile/compiler/tracing/warmup.py: the zero backend starts inductor's one-time ISA check (a g++ build of
     ATen's vector headers and a child process, seconds) when first entered, beside dynamo's trace and the passes,
     for the one ISA inductor will use; the first inductor compile waits for it and fills inductor's list from the
     CPU's flags instead of building every candidate (on x86: one build where inductor makes up to four). What
@@ -679,7 +681,7 @@ def test_the_warmup_builds_only_the_isa_inductor_will_use(monkeypatch):
     import platform
     import types
 
-    from zcompile.compiler.backends import warmup
+    from zcompile.compiler.tracing import warmup
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     config = types.SimpleNamespace(cpp=types.SimpleNamespace(vec_isa_ok=None, simdlen=None))
@@ -708,7 +710,7 @@ def test_the_warmup_checks_the_candidate_isas_at_once_when_the_chosen_one_fails(
     import threading
     import types
 
-    from zcompile.compiler.backends import warmup
+    from zcompile.compiler.tracing import warmup
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     config = types.SimpleNamespace(cpp=types.SimpleNamespace(vec_isa_ok=None, simdlen=None))
@@ -729,7 +731,7 @@ def test_an_eager_region_drops_what_inductor_needed_to_hold_collective_inputs():
     first copied its input on every call (a copy of each gathered bucket per step)."""
     from torch._inductor import inductor_prims
 
-    from zcompile.compiler.backends import inductor  # noqa: F401  (zcompile::held_until)
+    from zcompile.compiler.codegen import inductor  # noqa: F401  (zcompile::held_until)
     graph = fx.Graph()
     x = graph.placeholder("x")
     held = graph.call_function(inductor_prims.force_stride_order, (x, [1]))
@@ -799,7 +801,7 @@ def test_a_hold_costs_next_to_nothing_at_run_time():
     """Inductor's code calls `zcompile::held_until` for every held collective input at every step: it dispatches
     to a Python no-op without custom_op's autograd and mutation checks (41 Python calls a call as a custom_op)."""
     import sys
-    from zcompile.compiler.backends import inductor  # noqa: F401  (zcompile::held_until)
+    from zcompile.compiler.codegen import inductor  # noqa: F401  (zcompile::held_until)
     hold, x, done = torch.ops.zcompile.held_until.default, torch.zeros(4), torch.zeros(4)
     hold(x, done)
     seen = [0]

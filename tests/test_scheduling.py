@@ -11,7 +11,7 @@ from tests import workers
 from tests.harness import run_world
 from tests.test_parity import TOL, max_diff
 from tests.test_passes import _in_block
-from zcompile.compiler import liveness
+from zcompile.compiler.planning import liveness
 
 
 @pytest.mark.parametrize("bounded", [True, False])
@@ -73,7 +73,7 @@ def test_liveness_counts_what_inductor_writes():
     # h (matmul output) dies in the kernel writing g: g takes its buffer; then g @ w.t() adds its output
     assert fused.peak_bytes == 2 * kb, (eager.peak_bytes, fused.peak_bytes)
     mul = next(n for n in gm.graph.nodes if n.name.startswith("mul"))
-    from zcompile.compiler import inductor_buffers
+    from zcompile.compiler.planning import inductor_buffers
     assert mul in inductor_buffers.kernels(gm, False).unwritten
 
 

@@ -1,11 +1,12 @@
-"""Dynamo traces each repeated block once (dtensor_params.mark_blocks, compiler/trace_blocks_once.py): the inlined
-graph is the one dynamo traces without regions, node for node, with each block's module stack; the zero backend
+"""Dynamo traces each repeated block once (dtensor_params.mark_blocks, compiler/tracing/trace_blocks_once.py): the
+inlined graph is the one dynamo traces without regions, node for node, with each block's module stack; the zero backend
 marks a sharded model's blocks itself and trains like the reference; a graph break in a block fails as before."""
 import pytest
 import torch
 import torch.nn as nn
 
-from zcompile.compiler import blocks, trace_blocks_once
+from zcompile.compiler.graph import blocks
+from zcompile.compiler.tracing import trace_blocks_once
 from zcompile.runtime import dtensor_params
 from tests.test_regions import Block, Net
 
@@ -78,7 +79,7 @@ def _train_sharded(rank: int, world: int, depth: int, shard_first: bool, block: 
     """Stage 3 (eager graphs) on `Net(depth)` of `_BLOCKS[block]`; what dynamo handed the backend, losses and the
     final parameters."""
     import zcompile
-    from zcompile.compiler import trace_blocks_once as tbo
+    from zcompile.compiler.tracing import trace_blocks_once as tbo
 
     seen = []
     inline = tbo.inline

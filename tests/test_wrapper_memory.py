@@ -4,8 +4,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zcompile.compiler import backends, liveness, wrapper_memory
-from zcompile.compiler.wrapper_memory import Input, simulate
+from zcompile.compiler import codegen
+from zcompile.compiler.planning import liveness, wrapper_memory
+from zcompile.compiler.planning.wrapper_memory import Input, simulate
 from zcompile.runtime.allocator_peak import allocator_events, highest_rise
 
 
@@ -30,7 +31,7 @@ def _compiled(f, inputs, blocks=None):
     if blocks is not None:
         blocks(gm)
     liveness.compiled_by_inductor(gm, blocks is not None)
-    program = backends.compile_graph("inductor", gm, list(inputs), "forward", blocks is not None)
+    program = codegen.compile_graph("inductor", gm, list(inputs), "forward", blocks is not None)
     return gm, program
 
 

@@ -15,7 +15,7 @@ import torch.distributed.tensor.experimental
 import torch.export
 import torch.utils.cpp_extension  # setuptools and distutils, which inductor's C++ builds import
 
-import zcompile.compiler.backends.inductor
+import zcompile.compiler.codegen.inductor
 
 if torch.version.cuda is None and torch.version.hip is None:
     from torch._inductor import codecache

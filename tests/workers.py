@@ -22,7 +22,7 @@ def reset_dynamo() -> None:
     """torch._dynamo.reset(), leaving zcompile's compile-start hook installed as in a fresh process (reset drops
     every dynamo callback; the backend puts it back at its next call, after that compile's first trace)."""
     torch._dynamo.reset()
-    zcompile.compiler.before_trace.register()
+    zcompile.compiler.tracing.before_trace.register()
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -527,13 +527,13 @@ def traces_before_sharding(rank: int, world: int) -> dict:
     import gc
     from functools import partial
     from torch._dynamo.callback import CallbackTrigger
-    from zcompile.compiler import backend
-    out, shard = {"restarts": []}, backend._shard_modules_of
+    from zcompile.compiler.tracing import dynamo_graph
+    out, shard = {"restarts": []}, dynamo_graph.shard_modules_of
 
     def spy(*a, **kw):
         try:
             return shard(*a, **kw)
-        except backend._ParametersSharded:
+        except dynamo_graph.ParametersSharded:
             out["restarts"].append(out["case"])
             raise
     collector = []
@@ -541,7 +541,7 @@ def traces_before_sharding(rank: int, world: int) -> dict:
     def at_trace(case, args):  # dynamo's compile of a frame (not the lazy backward's compile)
         if args.callback_trigger == CallbackTrigger.DYNAMO:
             collector.append((case, gc.isenabled()))
-    backend._shard_modules_of = spy
+    dynamo_graph.shard_modules_of = spy
     config = {"stage": 3, "backend": "eager"}
     try:
         for case in ("hook", "after reset", "hook again", "step function", "Module.compile"):
@@ -587,7 +587,7 @@ def traces_before_sharding(rank: int, world: int) -> dict:
                                 "plain": not any(isinstance(p, torch.distributed.tensor.DTensor)
                                                  for p in other.parameters())}
     finally:
-        backend._shard_modules_of = shard
+        dynamo_graph.shard_modules_of = shard
     out["collector after"] = gc.isenabled()
     return out
 
@@ -598,7 +598,8 @@ def cached_launch_failing(rank: int, world: int, cases: list, steps: int, cache_
     ("ok", cached_launch's result, zcompile's warnings) or ("raised", type name, message)."""
     import warnings
 
-    from zcompile.compiler import graph_cache, schedule_check
+    from zcompile.compiler.codegen import graph_cache
+    from zcompile.compiler.debug import schedule_check
     if rank == 1 and fail_at == "schedule":
         fingerprint = schedule_check.fingerprint
 
@@ -673,22 +674,24 @@ def activation_budget_run(rank: int, world: int, budget: int | None, steps: int 
     forward (what checkpointing each block recomputes), and how many graphs inductor generated code for while
     the commit step compiled the chosen graphs ("commit codegen": none where the planner's trials compiled them)."""
     from torch._inductor.graph import GraphLowering
-    from zcompile.compiler import backend as zbackend, timeline
-    from zcompile.compiler.blocks import block_of
-    commit, codegen = zbackend._GraphCompile.commit_graph, GraphLowering.codegen
+    from zcompile.compiler import backend as zbackend
+    from zcompile.compiler.codegen import commit as zcommit
+    from zcompile.compiler.planning import timeline
+    from zcompile.compiler.graph.blocks import block_of
+    commit, codegen = zcommit.commit_graph, GraphLowering.codegen
     counted = {"in commit": False, "commit codegen": 0}
 
-    def counting_commit(self, *args, **kwargs):
+    def counting_commit(*args, **kwargs):
         counted["in commit"] = True
         try:
-            return commit(self, *args, **kwargs)
+            return commit(*args, **kwargs)
         finally:
             counted["in commit"] = False
 
     def counting_codegen(self, *args, **kwargs):
         counted["commit codegen"] += counted["in commit"]
         return codegen(self, *args, **kwargs)
-    zbackend._GraphCompile.commit_graph, GraphLowering.codegen = counting_commit, counting_codegen  # this worker's
+    zcommit.commit_graph, GraphLowering.codegen = counting_commit, counting_codegen  # this worker's
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=128))
     config = {"stage": 3, "backend": "inductor"} | ({"memory_budget": budget} if budget is not None else {}) | \

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from zcompile.runtime.allocator_peak import step_tensor_peak
-from zcompile.compiler import before_trace
+from zcompile.compiler.tracing import before_trace
 from zcompile.compiler.backend import activation_decisions, planned_step_peak, zero_backend
 from zcompile.runtime.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from zcompile.runtime.collective_traffic import reset_traffic, traffic

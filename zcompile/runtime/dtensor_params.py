@@ -408,7 +408,7 @@ def hook_forward_of(block: nn.Module, members) -> None:
     """The eager-forward hooks of `members` (modules holding DTensor parameters) move to `block`, which holds them:
     a forward of the block then gathers their parameters, as FSDP2's hooks on a sharded block do. (Dynamo guards
     on each module's hook handles, which differ per module: inside a region traced once they would fail its reuse
-    for every other block, see compiler/trace_blocks_once.py.)"""
+    for every other block, see compiler/tracing/trace_blocks_once.py.)"""
     for m in members:
         ours = [k for k, h in m._forward_pre_hooks.items() if h is _enter_forward]
         ours += [k for k, h in m._forward_hooks.items() if h is _leave_forward]
@@ -542,7 +542,7 @@ def _mismatch(t: torch.Tensor, zp: shard_store.ShardedParam) -> str | None:
     return None
 
 
-# -- the module side: repeated blocks traced once (compiler/trace_blocks_once.py inlines them again).
+# -- the module side: repeated blocks traced once (compiler/tracing/trace_blocks_once.py inlines them again).
 # What reads a per-instance constant inside a nested compile region fails dynamo's reuse for every other block: the
 # parameter properties guard on `_zc_instance` and dynamo guards on each module's hook handles, so inside a marked
 # block the properties skip the instance (the block's outer forward reads the instances of the modules it holds, in

@@ -137,7 +137,7 @@ class ShardedParam:
         self.seen_version = self.versions()  # of the storage the full copy was last gathered from
         self.written = False  # the shards were written since the last gather, by a step or a load (see stale)
         self.compiled_calls = 0  # graph runs that took this parameter since the last optimizer step
-        self.jobs: list = []  # the compiled graphs (backend._GraphCompile) that take it: they live as long as it
+        self.jobs: list = []  # the compiled graphs (compiler.job.GraphCompile) that take it: they live as long as it
         self.nonfinite = "off"  # config `nonfinite` of the compile that registered it
         self.loss_nonfinite: torch.Tensor | None = None  # a forward it ran in had a NaN/inf loss (nonfinite.py)
         if attach:

@@ -16,7 +16,9 @@ import sys
 import torch
 
 from zcompile import config as zconfig
-from zcompile.compiler import backend as zbackend, collectives, liveness, planner, timeline
+from zcompile.compiler import backend as zbackend
+from zcompile.compiler.graph import collectives
+from zcompile.compiler.planning import liveness, planner, timeline
 from zcompile.tools import report
 from zcompile.runtime.dist_context import DistContext
 from zcompile.models.gpt import GPT, GPTConfig
@@ -127,7 +129,7 @@ class Plan:
         return "\n".join(lines)
 
     def schedule_text(self) -> str:
-        from zcompile.compiler.dump import schedule_text
+        from zcompile.compiler.debug.dump import schedule_text
         return "".join(schedule_text(kind, gm) for kind, gm in self.graphs.items())
 
 

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn as nn
 
-from zcompile.compiler import planner
+from zcompile.compiler.planning import planner
 from zcompile.runtime import nvme_files, shard_store
 from zcompile.runtime.cpu_adam import CPUAdam
 from zcompile.config import Stage, Tier

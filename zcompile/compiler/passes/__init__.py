@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
+from zcompile.compiler.graph.meta_keys import PARAMETER
+from zcompile.compiler.graph.pass_context import PassContext
+from zcompile.config import Stage, Tier
 from zcompile.pass_contracts import CONTRACTS, written_fields
 from zcompile.compiler.passes import (bucket_collectives, chunk_loss, mixed_precision, offload_activations,
                                       offload_grads, offload_params, prefetch, quantize_gradients, quantize_weights,
@@ -60,3 +65,40 @@ def _lint(gm: fx.GraphModule, ran: list[str]) -> None:
     except Exception as e:
         raise AssertionError(f"the graph after pass(es) {ran} is malformed: {e} (with dump_dir set, each pass's "
                              "graph is checked and dumped)") from e
+
+
+def fake_shard_inputs(gm: fx.GraphModule, pctx: PassContext) -> None:
+    """Shard placeholders take shard-shaped fake values; side-input placeholders take full-shape ones. A whole
+    parameter's shard is a view of its full buffer, as at run time, so liveness counts that storage once."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in phs if "val" in n.meta])
+    buffers: dict = {}
+
+    def full_buffer(zp):
+        if zp not in buffers:
+            buffers[zp] = torch.empty(zp.padded_numel, dtype=zp.dtype, device=pctx.dist.device)
+        return buffers[zp]
+
+    with fake_mode:
+        for ph in pctx.param_placeholders(gm).values():
+            ph.meta[PARAMETER] = True
+        if pctx.cfg.stage >= Stage.GRADIENTS:
+            for i, ph in pctx.param_placeholders(gm).items():
+                zp = pctx.params[i]
+                if zp.keeps_full:
+                    ph.meta["val"] = full_buffer(zp)[zp.rank * zp.shard_numel:(zp.rank + 1) * zp.shard_numel]
+                else:
+                    where = pctx.dist.device if zp.param_tier == Tier.DEVICE else "cpu"
+                    ph.meta["val"] = torch.empty(zp.shard_numel, dtype=zp.dtype, device=where)
+                pctx.own_placeholders.add(ph.name)
+        for ph in phs:
+            side = ph.meta.get("zc_side")
+            if side is None:
+                continue
+            zp = side.zp
+            if side.kind == "full":
+                ph.meta["val"] = full_buffer(zp)[: zp.numel].view(zp.shape)
+                ph.meta[PARAMETER] = True
+            else:
+                ph.meta["val"] = torch.empty(zp.secondary_numel, dtype=zp.secondary_dtype, device=pctx.dist.device)
+            pctx.own_placeholders.add(ph.name)

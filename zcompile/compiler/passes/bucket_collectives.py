@@ -18,8 +18,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import blocks, collectives
-from zcompile.compiler.passes import placement
+from zcompile.compiler.graph import blocks, collectives
+from zcompile.compiler.graph import placement
 
 aten = torch.ops.aten
 prims = torch.ops.prims

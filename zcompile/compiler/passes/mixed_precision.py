@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import block_regions, trace_blocks_once
-from zcompile.compiler.passes import placement
+from zcompile.compiler.tracing import block_regions, trace_blocks_once
+from zcompile.compiler.graph import placement
 
 
 def _is_user_input(node: fx.Node) -> bool:

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from zcompile.runtime import offload_engine  # noqa: F401  (registers the zcompile:: ops)
-from zcompile.compiler.passes import placement
+from zcompile.compiler.graph import placement
 from zcompile.config import Tier
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from zcompile.compiler import collectives, liveness, planner
-from zcompile.compiler.passes import placement
+from zcompile.compiler.graph import collectives
+from zcompile.compiler.planning import liveness, planner
+from zcompile.compiler.graph import placement
 
 
 def _gathers(graph: fx.Graph) -> list[fx.Node]:

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from zcompile.kernels import quantize as _ops  # noqa: F401  (registers torch.ops.zcompile.*)
 
 aten = torch.ops.aten

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from zcompile.kernels import weight_tiles  # noqa: F401  (zcompile::weight_tiles_grad)
 from zcompile.config import Stage
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from zcompile.runtime import groups
 from zcompile.errors import ConfigError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zcompile.compiler import liveness
+from zcompile.compiler.planning import liveness
 from zcompile.runtime.shard_store import ShardedParam
 from zcompile.config import Stage, Tier
 

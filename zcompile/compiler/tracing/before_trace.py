@@ -1,7 +1,7 @@
 """What zcompile does when dynamo starts compiling a frame for the `zero` backend, before it traces.
 
 - **Shard the frame's modules.** Otherwise dynamo's first trace of a model runs over its plain parameters; the
-  backend then shards them and restarts dynamo (backend._ParametersSharded), throwing that whole trace away (2.2 s
+  backend then shards them and restarts dynamo (dynamo_graph.ParametersSharded), throwing that whole trace away (2.2 s
   of a 32-layer compile, bench/results/compile-time-log.md). The modules the frame receives (the module of
   torch.compile(model), module arguments of a compiled function, a deep copy of a sharded model) are sharded as
   the backend would shard them after the trace (dtensor_params.shard_model), so the first trace reads the
@@ -33,7 +33,7 @@ from torch._dynamo import convert_frame
 from torch._dynamo.exc import UncapturedHigherOrderOpError
 
 from zcompile import config as zconfig
-from zcompile.compiler.backends import warmup
+from zcompile.compiler.tracing import warmup
 from zcompile.errors import reported_as_zcompile_errors
 from zcompile.runtime import dtensor_params
 from zcompile.runtime.dist_context import DistContext, set_group_timeout

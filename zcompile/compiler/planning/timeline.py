@@ -15,7 +15,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from zcompile.compiler import collectives, liveness
+from zcompile.compiler.graph import collectives
+from zcompile.compiler.planning import liveness
 
 c10d = torch.ops._c10d_functional
 
@@ -31,6 +32,11 @@ class CostModel:
     @staticmethod
     def cpu() -> "CostModel":
         return CostModel(flops_per_s=50e9, mem_bytes_per_s=10e9, link_bytes_per_s=2e9, latency_s=50e-6)
+
+    @staticmethod
+    def for_device(device) -> "CostModel":
+        """The CPU's model on a CPU; an accelerator's otherwise (meta: a plan for one)."""
+        return CostModel.cpu() if device.type == "cpu" else CostModel()
 
 
 def node_flops(node: fx.Node) -> int:

@@ -6,9 +6,9 @@ import torch.fx as fx
 from torch._inductor import inductor_prims
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-from zcompile.compiler import collectives
-from zcompile.compiler.backends import warmup
-from zcompile.compiler.liveness import input_held_until_wait
+from zcompile.compiler.graph import collectives
+from zcompile.compiler.tracing import warmup
+from zcompile.compiler.planning.liveness import input_held_until_wait
 
 
 def held_until(held: torch.Tensor, done: torch.Tensor) -> None:

@@ -11,7 +11,8 @@ import re
 
 import torch.fx as fx
 
-from zcompile.compiler import collectives, liveness, timeline
+from zcompile.compiler.graph import collectives
+from zcompile.compiler.planning import liveness, timeline
 
 _ASSIGN = re.compile(r"^(\s+)(\w+)(: \"[^\"]*\")? = ")
 

@@ -27,9 +27,10 @@ import warnings
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import collectives
+from zcompile.compiler.codegen import commit
+from zcompile.compiler.graph import collectives
 
-# the _GraphCompile whose aot_autograd call is running (post_compile reads it) and the user's own cache_key_tag
+# the GraphCompile whose aot_autograd call is running (post_compile reads it) and the user's own cache_key_tag
 _current = threading.local()
 
 
@@ -119,7 +120,7 @@ def _meta_kept(key: str) -> bool:
 
 class ZeroGraphCode(OutputCode):
     """One committed zcompile graph as AOTAutograd's cache stores it: the running function, or, on disk, the
-    pickled final graph and the job's decisions for this graph (`_GraphCompile.cache_record`)."""
+    pickled final graph and the job's decisions for this graph (`commit.cache_record`)."""
 
     def __init__(self, job, kind: str, run):
         super().__init__()
@@ -131,7 +132,7 @@ class ZeroGraphCode(OutputCode):
 
     def prepare_for_serialization(self) -> None:
         job, self._job, self._run = self._job, None, None
-        graph, made, record = job.cache_record(self.kind)
+        graph, made, record = commit.cache_record(job, self.kind)
         if any(map(_symbolic, graph.graph.find_nodes(op="placeholder"))):
             raise BypassAOTAutogradCache("zcompile: a graph with dynamic shapes is not cached")
         with _picklable(graph, made):
@@ -161,7 +162,7 @@ class ZeroGraphCode(OutputCode):
             raise  # AOTAutograd bypasses its cache on any error here and compiles: no rank has seen this load
         try:
             with region_compiles():
-                self._run = job.load_cached(self.kind, record, gm)
+                self._run = commit.load_cached(job, self.kind, record, gm)
         except BaseException as e:
             raise LoadFailed(job, self.kind, e) from e
 
@@ -187,7 +188,7 @@ class LoadFailed(BaseException):
         """The error to raise on this rank. One of zcompile's every-rank errors (a schedule exchange failed) is
         raised as it is; any other reaches the peers first (schedule_check.fail), which raise PeerFailed."""
         from zcompile.errors import PeerFailed, PeerTimeout, ScheduleMismatch, ZCompileError
-        from zcompile.compiler import schedule_check
+        from zcompile.compiler.debug import schedule_check
         e, job = self.error, self.job
         if isinstance(e, (ScheduleMismatch, PeerTimeout, PeerFailed)) or not isinstance(e, Exception):
             return e

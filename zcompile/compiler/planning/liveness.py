@@ -18,8 +18,9 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zcompile.compiler import collectives, inductor_buffers
-from zcompile.compiler.meta_keys import INDUCTOR, PARAMETER, RELEASED  # noqa: F401 (read as liveness.*)
+from zcompile.compiler.graph import collectives
+from zcompile.compiler.planning import inductor_buffers
+from zcompile.compiler.graph.meta_keys import INDUCTOR, PARAMETER, RELEASED  # noqa: F401 (read as liveness.*)
 from zcompile.kernels import linear_cross_entropy
 
 

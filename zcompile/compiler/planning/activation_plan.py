@@ -14,8 +14,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import liveness, recompute, timeline
-from zcompile.compiler.planner import ActivationChoice
+from zcompile.compiler.planning import liveness, recompute, timeline
+from zcompile.compiler.planning.planner import ActivationChoice
 
 
 def _group(node: fx.Node, action: str, ops: int) -> tuple:

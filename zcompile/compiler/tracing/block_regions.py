@@ -24,8 +24,9 @@ import contextlib
 import torch
 import torch.fx as fx
 
-from zcompile.compiler import fake_values, trace_blocks_once
-from zcompile.compiler.trace_blocks_once import body_of, calls
+from zcompile.compiler.graph import fake_values
+from zcompile.compiler.tracing import trace_blocks_once
+from zcompile.compiler.tracing.trace_blocks_once import body_of, calls
 from zcompile.errors import ZCompileError
 
 _ISG = torch.ops.higher_order.invoke_subgraph
@@ -79,7 +80,7 @@ def why_not_bodies(gm: fx.GraphModule, example_inputs: list) -> str | None:
     """Why a region's body cannot stay a region, or None; each distinct body is traced once to aten ops (as the
     HOP's own schema check does). A body that writes its operands: the HOP refuses training through it. Random
     ops (dropout): inductor seeds them in its joint passes, which a region's partition would run without the
-    seeds zcompile threads through the outer graph (backend._GraphCompile.joint_graph_passes)."""
+    seeds zcompile threads through the outer graph (job.GraphCompile.joint_graph_passes)."""
     from torch._guards import detect_fake_mode
     from torch._higher_order_ops.utils import check_input_alias_and_mutation_return_outputs, materialize_as_graph
     # dynamo's fake values (symbolic sizes under dynamic shapes); example_inputs only where a node has none

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from zcompile.compiler import collectives
+from zcompile.compiler.graph import collectives
 from zcompile.runtime.dist_context import DistContext, all_gather_flat, host_group
 from zcompile.errors import PeerFailed, PeerTimeout, ScheduleMismatch
 

@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.fx as fx
 
-from zcompile.compiler.backends.regions import compiled_regions, block_regions
+from zcompile.compiler.planning.region_cuts import block_regions, compiled_regions
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def _readers(node: fx.Node) -> list[fx.Node]:
 @dataclasses.dataclass
 class Kernels:
     unwritten: set[fx.Node]          # values computed inside the kernels that read them, and views of them
-    region_of: dict[fx.Node, int]    # node -> its region (backends/regions.py)
+    region_of: dict[fx.Node, int]    # node -> its region (codegen/regions.py)
     compiled: list[bool]             # per region: compiled by inductor (else run as FX code)
 
     def loop_output(self, node: fx.Node) -> bool:
@@ -71,7 +71,7 @@ class Kernels:
 
 
 def kernels(gm: fx.GraphModule, regional: bool | str) -> Kernels:
-    """What inductor makes of `gm` (compiled in regions per block when `regional`: backends/regions.py): which
+    """What inductor makes of `gm` (compiled in regions per block when `regional`: codegen/regions.py): which
     values it never writes to memory (and the views of them), by region."""
     regions, holds_block = block_regions(gm.graph, by_block=bool(regional))
     region_of = {n: r for r, nodes in enumerate(regions) for n in nodes}

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch._inductor import inductor_prims
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zcompile.compiler import liveness
+from zcompile.compiler.planning import liveness
 
 _CALL = re.compile(r"^(\s*)def call\(.*args\):\s*$")
 _UNPACK = re.compile(r"^([\w, ]+?),? = args$")

@@ -5,7 +5,7 @@ graph before anything else reads it. The passes, AOTAutograd and the regions see
 dynamo's work stops growing with depth (it inlined every block's Python code).
 
 Each block's nodes keep a module stack of their own block (`blocks.3`, not the traced `blocks.0`): the regions and
-the buckets find the blocks by it (compiler/blocks.py).
+the buckets find the blocks by it (compiler/graph/blocks.py).
 """
 from __future__ import annotations
 

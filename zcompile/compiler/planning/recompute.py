@@ -22,10 +22,10 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zcompile.compiler import liveness, timeline
-from zcompile.compiler.block_regions import free_name
-from zcompile.compiler.blocks import block_of
-from zcompile.compiler.passes.placement import hoist
+from zcompile.compiler.planning import liveness, timeline
+from zcompile.compiler.tracing.block_regions import free_name
+from zcompile.compiler.graph.blocks import block_of
+from zcompile.compiler.graph.placement import hoist
 
 MAX_OPS = 64  # a longer chain is no candidate (a transformer block's forward is ~50 ops)
 
@@ -45,6 +45,17 @@ def saved_tensors(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     out = saved_values(fw, num_fwd_outputs)
     return list(dict.fromkeys(n for n in out if isinstance(n, fx.Node) and n.op == "call_function"
                               and isinstance(n.meta.get("val"), torch.Tensor)))
+
+
+def mark_released(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int) -> None:
+    """The backward frees the saved activations only it holds after their last use (liveness.mark_released),
+    and the gradients of the forward's outputs: AOTAutograd hands them over boxed (measured on
+    bench/activation_budget.py's Llama: the zero-filled gradient of the logits beside the loss, 2 MiB, is gone
+    by the backward's peak)."""
+    if "forward" in graphs and "backward" in graphs:
+        bw = graphs["backward"]
+        tangents = {ph.name for ph in bw.graph.find_nodes(op="placeholder") if ph.name.startswith("tangents")}
+        liveness.mark_released(bw, released_saved(graphs["forward"], num_fwd_outputs) | tangents)
 
 
 def released_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:

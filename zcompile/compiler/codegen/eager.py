@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
-from zcompile.compiler.passes.placement import copy_graph
+from zcompile.compiler.graph.placement import copy_graph
 
 
 def compile_eager(gm: fx.GraphModule, example_inputs: list, kind: str):

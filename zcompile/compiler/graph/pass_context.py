@@ -9,7 +9,7 @@ from zcompile.config import Config
 from zcompile.runtime.dist_context import DistContext
 from zcompile.runtime.groups import Group
 from zcompile.runtime.shard_store import ShardedParam
-from zcompile.compiler.topology import Topology
+from zcompile.compiler.graph.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
