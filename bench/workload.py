@@ -7,6 +7,7 @@ them: bf16 compute with fp32 master weights on GPU, AdamW (fused on CUDA, two pa
     python bench/workload.py --device cuda --model gpt2-774M --micro 8 --seq 1024
     python bench/workload.py --device cuda --model llama-1B --micro 8 --seq 1024
     python bench/workload.py --model gpt2-cpu --world 2 --micro 4 --seq 256                 # the CPU proxy (gloo)
+    python bench/workload.py --model hfgpt2-cpu --dtype bf16                # Hugging Face's GPT-2 in that shape
 
 Systems (`--systems`, comma-separated; each runs in fresh processes with its own `--timeout`, and the table is
 rewritten as each finishes, so a killed run keeps what finished):
@@ -53,7 +54,8 @@ def build_model(name: str, vocab: int | None, layers: int | None = None, use_cac
                 ) -> torch.nn.Module:
     """gpt2-<size> (nanoGPT, 124M/350M/774M/1.5B), gpt2-cpu (8 layers, 128 wide: the CPU proxy), gpt2-tiny (2
     layers, 64 wide: tests), llama-1B (16 layers, 2048 wide, SwiGLU 8192, 32 heads / 8 KV heads), llama-cpu,
-    qwen2-cpu (Qwen2ForCausalLM: biased q/k/v, tied embeddings, as Qwen2's small models; 8 layers, 128 wide).
+    qwen2-cpu (Qwen2ForCausalLM: biased q/k/v, tied embeddings, as Qwen2's small models; 8 layers, 128 wide),
+    hfgpt2-cpu (Hugging Face's GPT2LMHeadModel in gpt2-cpu's shape: Conv1D layers, learned positions, tied head).
     `layers` overrides the depth; `use_cache`: the Hugging Face config's (its default is True; the proxies train
     with False unless asked)."""
     torch.manual_seed(0)
@@ -65,6 +67,13 @@ def build_model(name: str, vocab: int | None, layers: int | None = None, use_cac
             shape["n_layer"] = layers
         return nanogpt.GPT(nanogpt.GPTConfig(vocab_size=vocab or 50304, **shape))
     family, _, size = name.partition("-")
+    if family == "hfgpt2":
+        import transformers
+        d, depth, heads = {"cpu": (128, 8, 4), "tiny": (64, 2, 2)}[size]
+        cfg = transformers.GPT2Config(vocab_size=vocab or 50304, n_positions=1024, n_embd=d, n_layer=layers or depth,
+                                      n_head=heads, use_cache=use_cache)
+        cfg._attn_implementation = "sdpa"
+        return transformers.GPT2LMHeadModel(cfg)
     if family in ("llama", "qwen2"):
         import transformers
         d, depth, heads, kv, ff = {"1B": (2048, 16, 32, 8, 8192), "cpu": (128, 8, 4, 2, 352),
@@ -81,7 +90,7 @@ def build_model(name: str, vocab: int | None, layers: int | None = None, use_cac
 
 
 def blocks_of(model):
-    return model.transformer.h if isinstance(model, nanogpt.GPT) else model.model.layers
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
 
 
 def loss_of(model, inner, x, y):

@@ -281,6 +281,50 @@ def test_the_chunked_loss_saves_memory_and_is_planned():
         assert err < 0.05, f"{r.kind}: planned {r.planned_peak} B, measured {r.measured_peak} B ({err:.1%} off)"
 
 
+def _hf_gpt2_graphs(rank: int, world: int) -> dict:
+    """Hugging Face's GPT-2 (its loss_function calls logger.warning_once on every forward, GPT2LMHeadModel naming no
+    loss type) at stage 3: the forward graphs compiled and whether the head and loss were chunked, its loss against
+    the model's own, then another backend's trace of a warning_once call."""
+    import logging
+    from tests import hf_workers, workers
+    from zcompile.compiler import backend
+    workers.reset_dynamo()
+    model = hf_workers.build("gpt2")
+    x = torch.randint(0, hf_workers.VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = model(input_ids=x, labels=x).loss.item()
+    before, ignored = set(backend._COMPILED), set(torch._dynamo.config.ignore_logger_methods)
+    compiled = torch.compile(model, backend="zero", options={"config": {"stage": 3, "backend": "eager"}})
+    loss = compiled(input_ids=x, labels=x).loss
+    loss.backward()
+    jobs = set(backend._COMPILED) - before
+    chunked = [n for job in jobs for n in job.final["forward"].graph.nodes if n.target is OP]
+    other = []
+
+    def count(gm, example_inputs):
+        other.append(gm)
+        return gm
+    warn = logging.getLogger("transformers.modeling_utils")
+
+    def warns(y):
+        y = y * 2
+        warn.warning_once("once")
+        return y + 1
+    torch.compile(warns, backend=count)(torch.ones(2))
+    return {"graphs": len(jobs), "chunked": len(chunked), "loss": loss.item(), "reference": reference,
+            "other backend graphs": len(other),
+            "config restored": set(torch._dynamo.config.ignore_logger_methods) == ignored}
+
+
+def test_a_hugging_face_gpt2_loss_is_one_graph_and_chunked():
+    """transformers' warning_once in GPT-2's loss_function no longer splits the zero backend's forward (before_trace
+    ignores it while tracing), so the head and the loss are chunked; another backend's trace is left as it was."""
+    from tests.harness import run_world
+    (out,) = run_world(1, _hf_gpt2_graphs, timeout=300)
+    assert out["graphs"] == 1 and out["chunked"] == 1, out
+    assert out["loss"] == pytest.approx(out["reference"], rel=1e-5), out
+    assert out["other backend graphs"] == 2 and out["config restored"], out
+
+
 def test_the_pass_leaves_a_head_that_tile_linears_tiles():
     """Stage 3 with `tiling`: a head weight stored by whole rows stays a linear for tile_linears to tile."""
     idx = torch.randint(0, VOCAB, (2, 13))

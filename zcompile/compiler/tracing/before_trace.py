@@ -10,6 +10,11 @@
   zero-backend compile is in progress (dtensor_params, [Note: tokens]).
 - **Pause the cyclic garbage collector** for the whole compile of the frame, trace included (the backend's
   collector_paused covers only its own call; why: backend.collector_paused).
+- **Keep transformers' once-warnings out of the graph**: `logger.warning_once` breaks dynamo's graph, and Hugging
+  Face's `loss_function` calls it on every forward of a model whose class names no loss type (GPT2LMHeadModel):
+  the loss then runs as a second graph, so the head and the loss are not chunked together (chunk_loss). While a
+  zero-backend frame traces, dynamo ignores that method (its `ignore_logger_methods`), as it ignores the logger
+  methods a user lists there; the warning is not printed. Other backends' traces are left as they were.
 - **Say what to do when a traced-once block holds a graph break**: dynamo refuses to split the nested compile
   region (UncapturedHigherOrderOpError); the end callback adds a note naming zcompile's way out.
 
@@ -25,6 +30,7 @@ torch._dynamo.reset(), which drops every callback; the backend registers them ag
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 
 import torch
@@ -40,8 +46,8 @@ from zcompile.runtime.dist_context import DistContext, set_group_timeout
 
 _LOOK_UP = 12  # frames between the callback and dynamo's _compile: 6 on torch 2.11 and 2.13
 # per dynamo compile in progress: (the frame's modules if it compiles for the zero backend, else None; whether
-# its start turned the collector off)
-_compiles: list[tuple[list | None, bool]] = []
+# its start turned the collector off; dynamo's ignore_logger_methods to restore at its end, or None)
+_compiles: list[tuple[list | None, bool, set | None]] = []
 
 
 def register() -> None:
@@ -59,13 +65,13 @@ def _on_start(_args) -> None:
     except Exception:  # runs for every dynamo compile in the process: never fail another backend's
         found = None
     if found is None:
-        _compiles.append((None, False))  # start and end come in pairs, for any backend
+        _compiles.append((None, False, None))  # start and end come in pairs, for any backend
         return
     options, frame_locals = found
     values = list(frame_locals.values())
     values += [v for t in values if isinstance(t, tuple) for v in t]  # `*args` of a decorated forward: (self, ...)
     modules = [m for m in map(_module_of, values) if m is not None]
-    _compiles.append((modules, gc.isenabled()))
+    _compiles.append((modules, gc.isenabled(), _ignore_once_warnings()))
     gc.disable()
     dtensor_params.zero_trace_started()
     _shard_modules(options, modules)
@@ -78,7 +84,7 @@ def restarted_as_zero() -> None:
     callback does (a stage-0 parameter has no DTensor path: traced plain in fp32, the model's code records fp32
     where the cast graph then computes bf16). The end callback, which the backend registered again, closes it."""
     if not dtensor_params.tracing_for_zero():
-        _compiles.append(([], False))
+        _compiles.append(([], False, None))
         dtensor_params.zero_trace_started()
 
 
@@ -95,8 +101,22 @@ def _cast_first_inputs(frame_locals: dict) -> None:
         casts[0].cast_in_place(kwargs)
 
 
+def _ignore_once_warnings() -> set | None:
+    """Add transformers' `Logger.warning_once` (where transformers is imported) to dynamo's ignore_logger_methods;
+    returns the set to restore, or None where nothing changed."""
+    once = getattr(logging.Logger, "warning_once", None)
+    config = torch._dynamo.config
+    before = getattr(config, "ignore_logger_methods", None)
+    if once is None or before is None or once in before:
+        return None
+    config.ignore_logger_methods = set(before) | {once}
+    return before
+
+
 def _on_end(_args) -> None:
-    modules, paused = _compiles.pop() if _compiles else (None, False)
+    modules, paused, logger_methods = _compiles.pop() if _compiles else (None, False, None)
+    if logger_methods is not None:
+        torch._dynamo.config.ignore_logger_methods = logger_methods
     if modules is not None:
         dtensor_params.zero_trace_ended()
     if paused:
