@@ -32,7 +32,8 @@ def workspace_bytes(backward: bool, rows: int, vocab: int, dim: int, itemsize: i
     they are at hand (the forward writes them into the returned logits, the backward reads the saved ones); op by op
     (not `fused`) their fp32 copy and log-softmax or softmax, fused the last chunk padded (its logits and, in the
     backward, the returned logits' gradient); in the backward the chunk's gradient in the compute dtype (op by op in
-    fp32: the softmax's buffer itself), the fp32 sum of the weight's gradient and, below fp32, one chunk's term."""
+    fp32: the softmax's buffer itself) and, below fp32, the fp32 sum of the weight's gradient and one chunk's term
+    (in fp32 that sum is the gradient the op returns: an output, not workspace)."""
     chunk, low = rows * vocab, itemsize < 4
     work = 0 if logits_at_hand else chunk * itemsize
     if fused:
@@ -40,7 +41,7 @@ def workspace_bytes(backward: bool, rows: int, vocab: int, dim: int, itemsize: i
     else:
         work += chunk * 4 * (1 + low)  # (in fp32 the logits are their own fp32 copy)
     if backward:
-        work += chunk * itemsize * (low or fused) + vocab * dim * (4 + itemsize * low)
+        work += chunk * itemsize * (low or fused) + vocab * dim * (4 + itemsize) * low
     return work
 
 
@@ -110,19 +111,22 @@ def _compiled(kind: str, rows: int, vocab: int, dtype: torch.dtype, device: str,
     """A chunk function compiled by inductor for [rows, vocab] chunks (traced with make_fx, not dynamo: nothing of it
     shows among the user's graphs, recompiles or logs; inductor's FX graph cache serves later processes)."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    logits = torch.empty(rows, vocab, dtype=dtype, device=device)
-    target = torch.zeros(rows, dtype=torch.long, device=device)
+    from torch.utils._python_dispatch import _disable_current_modes
     consts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap)
-    if kind == "forward":
-        def fn(y, t):
-            return _forward_chunk(y, t, **consts)
-        examples = [logits, target]
-    else:
-        def fn(z, t, scale, *grad_logits):
-            return _backward_chunk(z, t, scale, grad_logits[0] if grad_logits else None, **consts)
-        examples = [logits, target, torch.ones((), device=device)]  # (each its own tensor: duplicates are merged)
-        examples += [torch.empty_like(logits)] * with_grad_logits
-    return torch._inductor.compile(make_fx(fn)(*examples), examples)
+
+    def forward(y, t):
+        return _forward_chunk(y, t, **consts)
+
+    def backward(z, t, scale, *grad_logits):
+        return _backward_chunk(z, t, scale, grad_logits[0] if grad_logits else None, **consts)
+    # outside whatever mode runs the op (zcompile.measure_memory's tracker runs its body under one)
+    with _disable_current_modes():
+        logits = torch.empty(rows, vocab, dtype=dtype, device=device)
+        examples = [logits, torch.zeros(rows, dtype=torch.long, device=device)]
+        if kind != "forward":  # (each its own tensor: duplicates are merged)
+            examples += [torch.ones((), device=device)] + [torch.empty_like(logits)] * with_grad_logits
+        fn = forward if kind == "forward" else backward
+        return torch._inductor.compile(make_fx(fn)(*examples), examples)
 
 
 class _Chunks:
@@ -185,6 +189,7 @@ def _linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
         if flat_logits is not None and not in_place:
             flat_logits[start:end] = z
         total += chunk_loss
+        del y, z  # before the next chunk's: one chunk's buffers alive at a time
     if reduction == "mean":
         total = total / (target != ignore_index).sum()
     return total.to(torch.float32 if loss_fp32 else x.dtype), logits
@@ -234,6 +239,7 @@ def _linear_cross_entropy_backward(grad_loss: torch.Tensor, grad_logits: Optiona
             grad_w += g.t() @ xc
         if grad_b is not None:
             grad_b += g.sum(0, dtype=torch.float32)
+        del z, g  # before the next chunk's: one chunk's buffers alive at a time
     return (grad_x.view(x.shape), grad_w.to(weight.dtype),
             grad_b.to(bias.dtype) if grad_b is not None else x.new_empty(0))
 
