@@ -109,3 +109,12 @@ def test_a_stored_graph_loads_with_its_fake_values_and_their_storage_sharing():
     assert described(loaded) == described(gm)
     assert len({v.untyped_storage()._cdata for n in loaded.graph.nodes
                 for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}) < len(loaded.graph.nodes) - 20
+
+
+def test_the_key_covers_all_of_zcompiles_code():
+    """The cache key hashes the whole package (a changed kernel or runtime module must not load graphs an older one
+    produced), wherever graph_cache.py sits in it: it hashed only compiler/ once the file moved down a folder."""
+    import pathlib
+
+    import zcompile
+    assert pathlib.Path(graph_cache.package_root()) == pathlib.Path(zcompile.__file__).resolve().parent

@@ -53,10 +53,16 @@ except ImportError:  # pragma: no cover
     _SUPPORTED = False
 
 
+def package_root() -> str:
+    """The zcompile package's folder (this file is zcompile/compiler/codegen/graph_cache.py)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 @functools.cache
 def _source_hash() -> str:
-    """zcompile's own code: a changed pass must not load a graph an older one produced."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """zcompile's own code, all of it (passes, kernels, runtime, config): a changed pass must not load a graph an
+    older one produced."""
+    root = package_root()
     h = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
