@@ -35,20 +35,14 @@ class MemoryPlan:
         finally:
             self.peaks = None
 
-    def peak(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset(),
-             compiled: bool = False, over: float | None = None) -> int:
-        """The planned step peak of `graphs` (kind -> graph), from the split passes run on copies of them
-        (parameters not yet decided whole count as sharded). `compiled`: with the copies compiled as they will be,
-        where inductor's code says what it allocates (wrapper_memory; the FX plan with backend eager); `over`: the
-        compiles stop once the graphs compiled so far, the backward first, put the step over it (the others could
-        only add), and the peak returned is theirs."""
-        return self.measure(graphs, offload_saved, float("inf") if compiled else None, over)[1]
-
     def measure(self, graphs: dict[str, fx.GraphModule], offload_saved: frozenset = frozenset(),
                 compile_within: float | None = None, over: float | None = None) -> tuple[int, int]:
-        """(the FX plan's step peak, the compiled code's) of `graphs`, from one run of the split passes on copies:
-        the copies are compiled only where the code is followed (job.follows_code) and the FX peak is within
-        `compile_within`; otherwise the second is the first. `over`: as in peak."""
+        """(the FX plan's step peak, the compiled code's) of `graphs` (kind -> graph), from one run of the split
+        passes on copies of them (parameters not yet decided whole count as sharded): the copies are compiled as
+        they will be, where inductor's code says what it allocates (wrapper_memory), only where the code is
+        followed (job.follows_code) and the FX peak is within `compile_within`; otherwise the second is the
+        first. `over`: the compiles stop once the graphs compiled so far, the backward first, put the step over
+        it (the others could only add), and the peak returned is theirs."""
         job, key = self.job, None
         if self.peaks is not None:  # within a search: later rounds plan the same graphs again
             key = (tuple((kind, graph_copies.identity(gm)) for kind, gm in graphs.items()), offload_saved)
@@ -127,6 +121,7 @@ class MemoryPlan:
         """budget.plan_persistence, the headroom measured by a compiled trial of `graphs`."""
         job = self.job
         note = budget.plan_persistence(job.cfg, job.ctx.device, list(job.params.values()),
-                                       bool(job.activation_plan), lambda: self.peak(graphs, compiled=True))
+                                       bool(job.activation_plan),
+                                       lambda: self.measure(graphs, compile_within=float("inf"))[1])
         if note:
             job.notes.append(note)

@@ -178,9 +178,9 @@ def _linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     logits = x.new_empty((*x.shape[:-1], vocab) if return_logits else (0,))
     flat_logits = logits.view(n, vocab) if return_logits else None
     total = torch.zeros((), dtype=torch.float32, device=x.device)
+    in_place = _writes_returned_logits(return_logits, bias, softcap)
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        in_place = _writes_returned_logits(return_logits, bias, softcap)
         if in_place:
             y = torch.mm(flat[start:end], weight.t(), out=flat_logits[start:end])
         else:
@@ -276,15 +276,20 @@ def _backward(ctx, grad_loss, grad_logits):
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup)
 
 
+def _named(op, args) -> dict:
+    """A call's positional arguments by their names in the op's schema."""
+    return dict(zip((s.name for s in op._schema.arguments), args))
+
+
 def call_operands(op, args) -> tuple:
     """(x, weight, rows per chunk) of a call of either op, from its positional arguments."""
-    a = dict(zip((s.name for s in op._schema.arguments), args))
+    a = _named(op, args)
     return a["x"], a["weight"], a["rows"]
 
 
 def call_workspace(op, args, rows: int, vocab: int, dim: int, itemsize: int) -> int:
     """workspace_bytes of a call of either op with chunks of `rows` rows, the rest read from its arguments."""
-    a = dict(zip((s.name for s in op._schema.arguments), args))
+    a = _named(op, args)
     if op is torch.ops.zcompile.linear_cross_entropy_backward.default:
         return workspace_bytes(True, rows, vocab, dim, itemsize, a["fused"], a["logits"] is not None)
     at_hand = _writes_returned_logits(a["return_logits"], a["bias"], a["softcap"])

@@ -9,7 +9,7 @@ merged the same way into one flat `reduce_scatter_tensor` over the members' rank
 stages 0/1 into one `all_reduce_coalesced`), issued once the bucket's last gradient exists and waited on before the
 next bucket is issued (collectives.limit_in_flight), so the backward keeps computing while one bucket is reduced.
 One collective per bucket instead of one per parameter: fewer launches and fewer small messages. The dump names
-every bucket's members. The cap is `bucket_mb`, or a smaller one the memory budget chose (backend.split_passes).
+every bucket's members. The cap is `bucket_mb`, or a smaller one the memory budget chose (job.GraphCompile.split_passes).
 """
 from __future__ import annotations
 

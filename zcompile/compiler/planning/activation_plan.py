@@ -110,9 +110,9 @@ def report(every: list[ActivationChoice], chosen: list[ActivationChoice], recomp
 def partition_report(fw: fx.GraphModule, bw: fx.GraphModule, fw_b: fx.GraphModule, bw_b: fx.GraphModule,
                      num_fwd_outputs: int, fraction: float, cost: timeline.CostModel, peak: int, planned: int,
                      budget: int) -> list[str]:
-    """The knapsack's decisions (backend._knapsack_partition): what it no longer saves at `fraction` (`fw_b`,
-    `bw_b`) against the default partition (`fw`, `bw`), what it saves instead, and the backward's added time by the
-    cost model. A summary line, then one line per saved activation of either, as report() gives them."""
+    """The knapsack's decisions (activation_search's _knapsack_partition): what it no longer saves at `fraction`
+    (`fw_b`, `bw_b`) against the default partition (`fw`, `bw`), what it saves instead, and the backward's added time
+    by the cost model. A summary line, then one line per saved activation of either, as report() gives them."""
     f = liveness.fmt
     before = {n.name: n for n in recompute.saved_tensors(fw, num_fwd_outputs)}
     after = {n.name: n for n in recompute.saved_tensors(fw_b, num_fwd_outputs)}

@@ -48,6 +48,7 @@ class ActivationSearch:
 
     def peak(self, graphs: dict, offload_saved: frozenset = frozenset(), compiled: bool = False,
              over: float | None = None) -> int:
+        """The measured step peak of a trial: the FX plan's, or with `compiled` the code's (`over` as measure's)."""
         return self.measure(graphs, offload_saved, float("inf") if compiled else None, over)[1]
 
     def run(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut, budget: int) -> ActivationPlan | None:

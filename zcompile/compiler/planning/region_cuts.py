@@ -167,7 +167,7 @@ def _communicates(n: fx.Node) -> bool:
 
 
 def holds(n: fx.Node) -> bool:
-    """hold_collective_inputs' `zcompile::held_until` (by name: backends.inductor, which defines it, imports
+    """hold_collective_inputs' `zcompile::held_until` (by name: codegen/inductor.py, which defines it, imports
     inductor)."""
     return isinstance(n.target, torch._ops.OpOverload) and n.target.name() == "zcompile::held_until"
 
