@@ -88,9 +88,14 @@ def worker(rank: int, world: int, run: str, args, budget: int | None) -> dict:
         losses.append(value)
     steps = iter(range(10**6, 10**6 + 3))
     peak = zcompile.step_tensor_peak(lambda: step(next(steps)), repeats=3)["peak"]
+    from zcompile.compiler import backend as zbackend
+    phases: dict[str, float] = {}  # where the compile's seconds went, summed over its graphs (job.timed)
+    for job in zbackend._COMPILED:
+        for phase, seconds in job.times.items():
+            phases[phase] = round(phases.get(phase, 0.0) + seconds, 1)
     return {"run": run, "median_step_s": statistics.median(times[2:]), "first_step_s": first, "peak_bytes": peak,
             "planned_bytes": zcompile.planned_step_peak(), "losses": losses,
-            "decisions": zcompile.activation_decisions()}
+            "decisions": zcompile.activation_decisions(), "compile_phases_s": phases}
 
 
 def main(argv=None) -> list[dict]:
@@ -160,6 +165,10 @@ def main(argv=None) -> list[dict]:
                      f"{mine[0]['first_step_s']:.1f} |")
     lines += ["", f"Largest difference of any run's loss from the {rows[0]['run']} run's at the same step: {diff:.2e} "
               f"(inductor fuses a forward that returns fewer saved values differently).", "",
+              "Where each run's compile spent its seconds (rank 0, zcompile's phases; `activation plan` is the search, its "
+              "trial compiles included):", "",
+              *(f"- {r['run']}: " + ", ".join(f"{k} {v}" for k, v in r.get("compile_phases_s", {}).items())
+                for r in rows if r.get("compile_phases_s")), "",
               "Decisions under the budget (rank 0):", "", "```", *rows[-1].get("decisions", []), "```"]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

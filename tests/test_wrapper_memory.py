@@ -147,3 +147,35 @@ def test_the_plan_of_a_regional_program_is_what_the_allocator_sees(wide):
     planned = wrapper_memory.graph_liveness(gm, liveness.analyze(gm), program.layout)
     assert "inductor's code" in planned.peak_node, planned.peak_node
     assert abs(planned.peak_bytes - measured) <= 1024, (planned.peak_bytes, measured, planned.peak_node)
+
+
+def test_a_trial_compile_generates_the_code_and_builds_kernels_only_when_run(monkeypatch):
+    """codegen.inductor.code_only (the memory planner's trials): inductor's code is generated, stored in its FX graph
+    cache and readable, but no C++ kernel is built; a later compile of the same graph (the commit's) loads that code
+    from the cache and builds its kernels then. A trial's kernel that something does run is built on first use and
+    computes what the graph does."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import codecache
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from zcompile.compiler.codegen import inductor
+    built = []
+    load = codecache.CppPythonBindingsCodeCache.load_pybinding_async.__func__  # load_pybinding calls it
+    monkeypatch.setattr(codecache.CppPythonBindingsCodeCache, "load_pybinding_async",
+                        classmethod(lambda cls, *a, **k: built.append(1) or load(cls, *a, **k)))
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    inputs = [torch.randn(64, 16), torch.randn(16, 24), torch.randn(16, 24), torch.randn(24, 16), torch.randn(64, 16)]
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):  # as AOTAutograd compiles: cacheable
+        with inductor.code_only():
+            gm, trial = _compiled(_swiglu_backward, inputs)
+        (region,) = trial.layout
+        counters = dict(torch._dynamo.utils.counters["inductor"])
+        assert "def call" in region.code and built == [] and counters["fxgraph_cache_miss"] == 1, (built, counters)
+        gm, program = _compiled(_swiglu_backward, inputs)
+    counters = torch._dynamo.utils.counters["inductor"]
+    assert counters["fxgraph_cache_hit"] == 1 and len(built) > 0, (built, counters)
+    assert program.layout[0].code == region.code
+    expected = _swiglu_backward(*inputs)
+    torch.testing.assert_close(list(program(list(inputs))), list(expected))
+    torch.testing.assert_close(list(trial(list(inputs))), list(expected))  # a trial's kernels, built as they run

@@ -2,9 +2,10 @@
 parameters stay whole, and the budget check.
 
 A trial runs the split passes on copies of a forward and backward (nothing kept) and reads their planned step peak
-from the FX plan and, where inductor's code is followed, from the code compiled as the commit will compile it. The
-search (planning/activation_search.py) and the stage-3 persistence choice (planning/budget.py) measure plans this
-way; the split passes and the compile are the job's, which is why this sits above the stage folders."""
+from the FX plan and, where inductor's code is followed, from the code generated as the commit will compile it (no
+kernel built: codegen.inductor.code_only). The search (planning/activation_search.py) and the stage-3 persistence
+choice (planning/budget.py) measure plans this way; the split passes and the compile are the job's, which is why
+this sits above the stage folders."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ import contextlib
 import torch.fx as fx
 
 from zcompile.compiler import codegen
-from zcompile.compiler.codegen import graph_cache, regions
+from zcompile.compiler.codegen import graph_cache, inductor, regions
 from zcompile.compiler.graph import graph_copies
 from zcompile.compiler.planning import budget, liveness, planner, recompute, timeline, wrapper_memory
 from zcompile.compiler.planning.activation_search import ActivationSearch
@@ -70,14 +71,14 @@ class MemoryPlan:
         return peak, planner.step_peak(state, code, job.cfg.accumulate_grads)
 
     def code_liveness(self, gm: fx.GraphModule, kind: str, planned: liveness.Liveness) -> liveness.Liveness:
-        """`planned` with its peak from inductor's code for `gm`, compiled here as the commit will (a trial: the
-        compile reports nothing to AOTAutograd; inductor's FX graph cache serves the commit's compile of the same
-        graph, as graph_cache.region_compiles keys both alike)."""
+        """`planned` with its peak from inductor's code for `gm`, generated here as the commit will compile it (a
+        trial: the compile reports nothing to AOTAutograd and builds no kernel; inductor's FX graph cache serves the
+        commit's compile of the same graph its code, as graph_cache.region_compiles keys both alike)."""
         key = (kind, graph_copies.identity(gm))
         if key not in self.code_layouts:  # a plan found again in a later round, or the final graphs check_budget reads
             cfg = self.job.cfg
             fakes = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-            with regions.no_output_strides(), graph_cache.region_compiles():
+            with regions.no_output_strides(), graph_cache.region_compiles(), inductor.code_only():
                 program = codegen.compile_graph(cfg.backend, gm, fakes, kind, cfg.regional_compile)
             self.code_layouts[key] = getattr(program, "layout", None)
         layout = self.code_layouts[key]

@@ -1,6 +1,10 @@
 """Compile the transformed graph with inductor: Triton kernels on GPU, C++ on CPU; collectives stay in the graph."""
 from __future__ import annotations
 
+import contextlib
+import threading
+from unittest import mock
+
 import torch
 import torch.fx as fx
 from torch._inductor import inductor_prims
@@ -24,6 +28,59 @@ _LIB.impl("held_until", held_until, "CompositeExplicitAutograd")
 _LIB.impl("held_until", held_until, "Meta")
 
 
+_code_only = threading.local()
+
+
+@contextlib.contextmanager
+def code_only():
+    """Inside: inductor generates each graph's code (and stores it in its FX graph cache) but builds a kernel only
+    if something runs it. For the memory planner's trials, which read only what the code allocates: the commit's
+    compile of the plan chosen loads its code from that cache and builds the kernels then, once, instead of every
+    trial building its own (a C++ kernel costs 1-2 s of g++ on a CPU; a Triton kernel's compile, more)."""
+    before = getattr(_code_only, "on", False)
+    _code_only.on = True
+    try:
+        yield
+    finally:
+        _code_only.on = before
+
+
+class _Deferred:
+    """A kernel inductor's code asked for, built on first use (an autotuning benchmark, say), not at load."""
+
+    def __init__(self, build):
+        self._build, self._built = build, None
+
+    def _kernel(self):
+        if self._built is None:
+            self._built = self._build()
+            if hasattr(self._built, "result"):  # a future: compile threads > 1
+                self._built = self._built.result()
+        return self._built
+
+    def __call__(self, *args, **kwargs):
+        return self._kernel()(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._kernel(), name)
+
+
+_KERNEL_BUILDERS = ("cpp", "cpp_pybinding", "triton", "cuda", "xpu", "rocm", "halide", "cutedsl", "pallas")
+
+
+@contextlib.contextmanager
+def _kernels_deferred():
+    from torch._inductor.async_compile import AsyncCompile
+    with contextlib.ExitStack() as stack:
+        for name in _KERNEL_BUILDERS:
+            build = getattr(AsyncCompile, name, None)
+            if build is not None:
+                stack.enter_context(mock.patch.object(
+                    AsyncCompile, name,
+                    lambda self, *a, _build=build, **k: _Deferred(lambda: _build(self, *a, **k))))
+        yield
+
+
 def compile_inductor(gm: fx.GraphModule, example_inputs: list, kind: str):
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -31,7 +88,8 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, kind: str):
     warmup.wait()
     # The order is the passes' (prefetch, release, the planner's budget): inductor's peak-memory reordering would
     # move a prefetched gather's wait up to the first moment its buffers can be reused, ending the overlap.
-    with config.patch(reorder_for_peak_memory=False):
+    with config.patch(reorder_for_peak_memory=False), \
+            (_kernels_deferred() if getattr(_code_only, "on", False) else contextlib.nullcontext()):
         return compile_fx_inner(gm, example_inputs, is_backward=(kind == "backward"),
                                 is_inference=(kind == "inference"))
 
