@@ -355,7 +355,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--model", default="gpt", choices=["gpt", "llama"])
@@ -371,7 +371,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--merge", action="store_true", help="replace only these systems' rows in an existing result")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     tag = f"{args.model}-{args.size}-{args.device}-w{args.world}"
     rows = []

@@ -69,7 +69,7 @@ def worker(rank: int, world: int, system: str, args) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--size", default="medium", choices=["small", "medium"])
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--tile-mb", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default="bench/results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for system in args.systems.split(","):

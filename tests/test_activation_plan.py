@@ -2,15 +2,13 @@
 choice under a budget, a budget met at world 2 with unchanged losses, and `zcompile plan --budget`."""
 import functools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from functorch.compile import aot_function, min_cut_rematerialization_partition, nop
 
 from tests import workers
-from tests.harness import run_world
+from tests.harness import run_bench, run_world
 from zcompile.compiler.planning import activation_plan, recompute, timeline
 from zcompile.compiler.planning.planner import ActivationChoice, choose_activations
 from zcompile.tools import plan as zplan
@@ -268,10 +266,9 @@ def test_a_budget_at_checkpointings_peak_fits(tmp_path, model, stage, backend):
     the smallest plan for the Hugging Face model was above checkpointing's peak; before the plan was checked in
     inductor's code, our Llama at stage 2 with inductor measured 3.4% above the budget, planned 7.5% below.)"""
     out = tmp_path / "budget.md"
-    cmd = [sys.executable, "bench/activation_budget.py", "--model", model, "--stage", str(stage), "--backend", backend,
-           "--budget-from", "checkpoint", "--skip-unconstrained", "--rounds", "1", "--steps", "4", "--out", str(out)]
-    run = subprocess.run(cmd, timeout=1200, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_bench("activation_budget", ["--model", model, "--stage", str(stage), "--backend", backend, "--budget-from",
+                                    "checkpoint", "--skip-unconstrained", "--rounds", "1", "--steps", "4", "--out",
+                                    str(out)])
     checkpoint, budget = json.load(open(tmp_path / "budget.json"))["rows"]
     assert "error" not in budget, budget
     assert budget["peak_bytes"] <= budget["budget"] == checkpoint["peak_bytes"], (budget, checkpoint["peak_bytes"])

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
+from tests.harness import run_bench
+
 
 def test_compare_runs_and_systems_agree(tmp_path):
-    cmd = [sys.executable, "bench/compare.py", "--world", "2", "--model", "gpt", "--systems", "ddp,fsdp2,zcompile_z3",
-           "--steps", "3", "--warmup", "1", "--micro", "1", "--seq", "16", "--out", str(tmp_path)]
-    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    run_bench("compare", ["--world", "2", "--model", "gpt", "--systems", "ddp,fsdp2,zcompile_z3", "--steps", "3",
+                          "--warmup", "1", "--micro", "1", "--seq", "16", "--out", str(tmp_path)])
     data = json.load(open(tmp_path / "gpt-small-cpu-w2.json"))
     rows = {r["system"]: r for r in data["rows"]}
     assert set(rows) == {"ddp", "fsdp2", "zcompile_z3"}
@@ -36,10 +37,9 @@ def test_compare_runs_and_systems_agree(tmp_path):
 
 
 def test_offload_bench_reports_tiers_and_keeps_the_loss(tmp_path):
-    cmd = [sys.executable, "bench/offload.py", "--world", "2", "--size", "small", "--backend", "eager", "--steps", "2",
-           "--warmup", "1", "--micro", "1", "--seq", "16", "--systems", "zero3,cpu,nvme",
-           "--nvme-path", str(tmp_path / "nvme"), "--out", str(tmp_path)]
-    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    run_bench("offload", ["--world", "2", "--size", "small", "--backend", "eager", "--steps", "2", "--warmup", "1",
+                          "--micro", "1", "--seq", "16", "--systems", "zero3,cpu,nvme",
+                          "--nvme-path", str(tmp_path / "nvme"), "--out", str(tmp_path)])
     rows = {r["system"]: r for r in json.load(open(tmp_path / "offload-gpt-small-w2-eager.json"))["rows"]}
     assert rows["cpu"]["losses"] == rows["zero3"]["losses"] == rows["nvme"]["losses"]
     assert rows["cpu"]["planned_peak"] < rows["zero3"]["planned_peak"]
@@ -106,10 +106,9 @@ def test_workload_bench_runs_the_systems_side_by_side(tmp_path):
     """bench/workload.py on a tiny nanoGPT, in bf16 as on a GPU (autocast, FSDP2's MixedPrecisionPolicy, zcompile's
     mixed_precision): each system's row, the same losses for FSDP2 + torch.compile and zcompile (same model, data,
     optimizer groups and clipping; bf16 rounding), the device in the header."""
-    cmd = [sys.executable, "bench/workload.py", "--model", "gpt2-tiny", "--vocab", "512", "--micro", "2", "--seq",
-           "32", "--warmup", "1", "--steps", "2", "--warm", "--dtype", "bf16",
-           "--systems", "torch_compile,fsdp2_compile,zcompile_z3", "--out", str(tmp_path)]
-    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    run_bench("workload", ["--model", "gpt2-tiny", "--vocab", "512", "--micro", "2", "--seq", "32", "--warmup", "1",
+                           "--steps", "2", "--warm", "--dtype", "bf16",
+                           "--systems", "torch_compile,fsdp2_compile,zcompile_z3", "--out", str(tmp_path)])
     data = json.load(open(tmp_path / "workload-gpt2-tiny-cpu-w2.json"))
     rows = {r["system"]: r for r in data["rows"]}
     assert set(rows) == {"torch_compile", "fsdp2_compile", "zcompile_z3"}
@@ -130,9 +129,8 @@ def test_host_work_per_parameter_stays_small(tmp_path):
     with AdamW over the DTensors 153, through AccumulateGrad's DTensor detach 8.6 and 197, with a node per
     parameter 14 and 233). regional_compile 'nested' makes one graph call per forward and backward at any depth
     and runs no glue eagerly (fewer eager ops per parameter)."""
-    cmd = [sys.executable, "bench/host_work.py", "--layers", "4,6", "--systems", "zcompile_z3,zcompile_z3_nested",
-           "--warmup", "2", "--steps", "1", "--out", str(tmp_path)]
-    subprocess.run(cmd, check=True, timeout=900, capture_output=True)
+    run_bench("host_work", ["--layers", "4,6", "--systems", "zcompile_z3,zcompile_z3_nested", "--warmup", "2",
+                            "--steps", "1", "--out", str(tmp_path)])
     rows = json.load(open(tmp_path / "host_work.json"))["rows"]
     assert all("error" not in r for r in rows), rows
     by = {(r["system"], r["layers"]): r for r in rows}
