@@ -149,7 +149,7 @@ def test_the_plan_of_a_regional_program_is_what_the_allocator_sees(wide):
     assert abs(planned.peak_bytes - measured) <= 1024, (planned.peak_bytes, measured, planned.peak_node)
 
 
-def test_a_trial_compile_generates_the_code_and_builds_kernels_only_when_run(monkeypatch):
+def test_a_trial_compile_generates_the_code_and_builds_kernels_only_when_run(monkeypatch, tmp_path):
     """codegen.inductor.code_only (the memory planner's trials): inductor's code is generated, stored in its FX graph
     cache and readable, but no C++ kernel is built; a later compile of the same graph (the commit's) loads that code
     from the cache and builds its kernels then. A trial's kernel that something does run is built on first use and
@@ -159,6 +159,7 @@ def test_a_trial_compile_generates_the_code_and_builds_kernels_only_when_run(mon
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from zcompile.compiler.codegen import inductor
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the trial misses even in a cache kept by the user
     built = []
     load = codecache.CppPythonBindingsCodeCache.load_pybinding_async.__func__  # load_pybinding calls it
     monkeypatch.setattr(codecache.CppPythonBindingsCodeCache, "load_pybinding_async",
