@@ -28,7 +28,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import compare  # noqa: E402
 import zcompile  # noqa: E402
 from zcompile.models.gpt import GPT, GPTConfig  # noqa: E402
 from zcompile.models.llama import Llama, LlamaConfig  # noqa: E402
@@ -88,11 +90,7 @@ def worker(rank: int, world: int, run: str, args, budget: int | None) -> dict:
         losses.append(value)
     steps = iter(range(10**6, 10**6 + 3))
     peak = zcompile.step_tensor_peak(lambda: step(next(steps)), repeats=3)["peak"]
-    from zcompile.compiler import backend as zbackend
-    phases: dict[str, float] = {}  # where the compile's seconds went, summed over its graphs (job.timed)
-    for job in zbackend._COMPILED:
-        for phase, seconds in job.times.items():
-            phases[phase] = round(phases.get(phase, 0.0) + seconds, 1)
+    phases = {phase: round(seconds, 1) for phase, seconds in compare.zcompile_phases().items()}
     return {"run": run, "median_step_s": statistics.median(times[2:]), "first_step_s": first, "peak_bytes": peak,
             "planned_bytes": zcompile.planned_step_peak(), "losses": losses,
             "decisions": zcompile.activation_decisions(), "compile_phases_s": phases}

@@ -119,6 +119,16 @@ def peak_rss_mib() -> float:
 
 
 # ---------------------------------------------------------------- systems: each returns (step(x, measure) -> (loss, state_bytes|None))
+def zcompile_phases() -> dict[str, float]:
+    """Seconds of zcompile's compile phases in this process (each graph's job.timed), summed over its graphs."""
+    from zcompile.compiler import backend
+    phases: dict[str, float] = {}
+    for job in backend._COMPILED:
+        for phase, seconds in job.times.items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+    return phases
+
+
 def _plain_step(model, opt, params_fn):
     def step(x, measure=False):
         loss = loss_of(model, x)

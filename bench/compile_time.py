@@ -213,10 +213,7 @@ def worker(rank: int, world: int, system: str, layers: int, args, run: str = "")
     if system.startswith("zcompile"):
         from zcompile.compiler import backend
         jobs = list(backend._COMPILED)
-        phases: dict = {}
-        for job in jobs:
-            for k, v in job.times.items():
-                phases[k] = phases.get(k, 0.0) + v
+        phases = compare.zcompile_phases()
         if "first trace" in restart:
             phases["dynamo first trace (restarted)"] = restart["first trace"]
         out["zcompile_phases"] = phases

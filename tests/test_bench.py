@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.harness import run_bench
+from tests.harness import bench_module, run_bench
 
 
 def test_compare_runs_and_systems_agree(tmp_path):
@@ -48,19 +48,10 @@ def test_offload_bench_reports_tiers_and_keeps_the_loss(tmp_path):
     assert "| nvme |" in (tmp_path / "offload-gpt-small-w2-eager.md").read_text()
 
 
-def _compile_time_bench():
-    sys.path.insert(0, "bench")
-    try:
-        import compile_time
-    finally:
-        sys.path.remove("bench")
-    return compile_time
-
-
 def test_compile_time_counts_each_kernel_inductor_built_once(tmp_path):
     """bench/compile_time.py's kernel count: every kernel of the cached graphs, each distinct source once, and a
     graph two ranks both wrote (two entries under one key) once."""
-    kernels_built = _compile_time_bench().kernels_built
+    kernels_built = bench_module("compile_time").kernels_built
     cache = tmp_path / "cache"
     script = ("import torch\n"
               "f = torch.compile(lambda x: x.sin() + 1)\n"
@@ -85,14 +76,14 @@ def test_compile_time_reads_cpp_and_triton_kernels_from_generated_code():
     code = (f"cpp_fused_0 = async_compile.cpp_pybinding(['float*'], r'''\n{cpp}''')\n\n"
             f"triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''{triton}''', device_str='cuda')\n"
             "async_compile.wait(globals())\n")
-    assert _compile_time_bench().kernel_sources(code) == ["\n" + cpp, triton]
+    assert bench_module("compile_time").kernel_sources(code) == ["\n" + cpp, triton]
 
 
 def test_compile_time_counts_the_torch_compile_calls():
     """torch.compile(model) with inductor imports inductor's compiler at the call, where the zero backend imports it
     in the first step: bench/compile_time.py counts the calls' seconds in the compile time of every system."""
     import torch
-    bench, real = _compile_time_bench(), torch.compile
+    bench, real = bench_module("compile_time"), torch.compile
     timed = bench._timed_torch_compile()
     try:
         assert torch.compile is timed
@@ -153,8 +144,7 @@ def test_host_work_per_parameter_stays_small(tmp_path):
 def test_gpu_busy_time_is_the_union_of_kernel_intervals():
     """bench/workload.py's GPU-busy time per step (issue 56: device time against step time): overlapping kernels
     (two streams) count once, gaps not at all."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import workload
+    workload = bench_module("workload")
     assert workload.busy_seconds([]) == 0
     assert workload.busy_seconds([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert workload.busy_seconds([(20, 25), (0, 10)], 1e-6) == pytest.approx(15e-6)
