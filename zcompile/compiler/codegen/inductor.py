@@ -11,6 +11,7 @@ from torch._inductor import inductor_prims
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from zcompile.compiler.graph import collectives
+from zcompile.compiler.graph.meta_keys import BLOCK
 from zcompile.compiler.tracing import warmup
 from zcompile.compiler.planning.liveness import input_held_until_wait
 
@@ -88,10 +89,61 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, kind: str):
     warmup.wait()
     # The order is the passes' (prefetch, release, the planner's budget): inductor's peak-memory reordering would
     # move a prefetched gather's wait up to the first moment its buffers can be reused, ending the overlap.
-    with config.patch(reorder_for_peak_memory=False), \
+    with config.patch(reorder_for_peak_memory=False), block_local_fusion(), \
             (_kernels_deferred() if getattr(_code_only, "on", False) else contextlib.nullcontext()):
         return compile_fx_inner(gm, example_inputs, is_backward=(kind == "backward"),
                                 is_inference=(kind == "inference"))
+
+
+def _blocks(snode) -> frozenset:
+    """The blocks (meta_keys.BLOCK) whose FX nodes an inductor scheduler node computes."""
+    out = set()
+    for sn in snode.get_nodes():
+        ir_node = getattr(sn, "node", None)
+        for origin in (ir_node.get_origins() if ir_node is not None else ()):
+            if block := origin.meta.get(BLOCK):
+                out.add(block)
+    return frozenset(out)
+
+
+def _block_local(base: type) -> type:
+    """`base` (inductor's choices) refusing to fuse two blocks' work horizontally. Inductor places a fused kernel
+    at its earliest member and pulls the others' dependencies up before it: in the backward a recomputed norm of
+    the next block fused with this block's rotary backward (they read the same cos/sin table) brought the next
+    block's recompute, its gathered weights and their wait ahead of this block's attention backward, so the code
+    held both blocks' activations at once (the Llama-style model under a memory budget: 38.8 MiB where the FX
+    order plans 23.5). Inductor's own guard (`are_long_distant_nodes`: 64 scheduler nodes apart) misses blocks
+    that small."""
+    def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+        a, b = _blocks(node1), _blocks(node2)
+        if a and b and a != b:
+            from torch._inductor.scheduler import WhyNoFuse
+            WhyNoFuse(node1, node2)("zcompile: the work of different blocks")
+            return False
+        return base.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
+
+    def uuid(self):  # inductor's FX graph cache keys on it (config._cache_config_factory_keys)
+        inner = base.uuid(self) if hasattr(base, "uuid") else base.__qualname__
+        return f"zcompile.block_local_fusion.1:{inner}"
+
+    return type(f"BlockLocal{base.__name__}", (base,),
+                {"can_fuse_horizontal": staticmethod(can_fuse_horizontal), "uuid": uuid})
+
+
+@contextlib.contextmanager
+def block_local_fusion():
+    """Inside: inductor does not fuse two blocks' work horizontally (_block_local; a user's own
+    `inductor_choices_class` is the base), and its FX graph cache keys say so where torch keys on the choices
+    class (2.13)."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+    user = config.inductor_choices_class
+    cls = _block_local(user if isinstance(user, type) else InductorChoices)
+    keyed = "inductor_choices_class" in getattr(config, "_cache_config_factory_keys", ())
+    with (config.patch(inductor_choices_class=cls) if keyed else contextlib.nullcontext()), \
+            V.set_choices_handler(cls()):
+        yield
 
 
 def hold_collective_inputs(gm: fx.GraphModule) -> fx.GraphModule:

@@ -33,6 +33,8 @@ import torch.fx as fx
 from torch._guards import TracingContext
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
+from zcompile.compiler.graph.blocks import block_of
+from zcompile.compiler.graph.meta_keys import BLOCK
 from zcompile.compiler.planning.region_cuts import block_regions, compiled_regions, constants, holds
 
 
@@ -69,7 +71,7 @@ def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
                    const: set[fx.Node]) -> fx.GraphModule:
     """`nodes` as a graph of their own: `inputs` become placeholders, `outputs` the outputs, constants of other
     regions are recomputed; names are made fresh (from the ops), so two regions doing the same thing print the
-    same code."""
+    same code. Of the meta, values and each node's block (meta_keys.BLOCK) are kept."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for k, x in enumerate(inputs):
@@ -82,6 +84,8 @@ def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
         else:
             env[n] = g.create_node(n.op, n.target, *fx.map_arg((n.args, n.kwargs), env.__getitem__))
             env[n].meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
+            if block := block_of(n):  # for inductor's fusion choices (inductor.block_local_fusion)
+                env[n].meta[BLOCK] = block
     g.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(gm, g)
 
