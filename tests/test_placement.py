@@ -46,3 +46,17 @@ def test_hoist_stops_right_after_an_input_that_is_the_target_itself():
     placement.hoist(g, nodes["e"], nodes["b"])
     assert _names(g) == ["x", "w", "a", "c", "d", "b", "e", "output"]
     g.lint()
+
+
+def test_undo_puts_every_hoisted_node_back_in_order():
+    """The prefetch pass under a memory budget tries a shorter distance after undoing the longer one's hoists."""
+    g = _graph()
+    nodes = {n.name: n for n in g.nodes}
+    moved = []
+    placement.hoist(g, nodes["d"], nodes["a"], moved)
+    placement.hoist(g, nodes["e"], nodes["b"], moved)
+    assert _names(g) != ["x", "w", "a", "b", "c", "d", "e", "output"] and moved
+    placement.undo(moved)
+    assert _names(g) == ["x", "w", "a", "b", "c", "d", "e", "output"] and moved == []
+    assert nodes["c"] < nodes["d"] < nodes["e"] and nodes["a"] < nodes["c"]  # the sort keys follow the order
+    g.lint()

@@ -19,14 +19,13 @@ def _gathers(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if collectives.is_op(n, "all_gather")]
 
 
-def _apply(gm: fx.GraphModule, distance: int) -> None:
+def _apply(gm: fx.GraphModule, distance: int, moved: list) -> None:
     graph = gm.graph
     gathers = _gathers(graph)
     start = next(n for n in graph.nodes if n.op != "placeholder")
     for k, g in enumerate(gathers):
         target = start if k < distance else collectives.wait_of(gathers[k - distance])
-        placement.hoist(graph, g, target)
-        collectives.update(g, why=f"{collectives.record(g).why} [prefetched {distance} gather(s) ahead]")
+        placement.hoist(graph, g, target, moved)
 
 
 def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
@@ -35,16 +34,17 @@ def run(gm: fx.GraphModule, pctx) -> fx.GraphModule:
         return gm
     budget = pctx.cfg.memory_budget_bytes(pctx.dist.device)
     state = planner.model_state(list(pctx.params.values()))
-    original = gm.graph
-    while True:
-        if budget is not None:  # a trial: the original stays for a shorter distance (without a budget, one try)
-            gm.graph = placement.copy_graph(original)
-        _apply(gm, distance)
+    moved: list = []
+    while True:  # with a budget, each distance tried is undone before the next (a graph copy each cost more)
+        _apply(gm, distance, moved)
         live = liveness.analyze(gm)
         peak = planner.step_peak(state, {pctx.kind: live}, pctx.cfg.accumulate_grads)
         if budget is None or peak <= budget or distance == 0:
             break
+        placement.undo(moved)
         distance -= 1
+    for g in _gathers(gm.graph):
+        collectives.update(g, why=f"{collectives.record(g).why} [prefetched {distance} gather(s) ahead]")
     note = (f"prefetch distance {distance}; planned transient peak {liveness.fmt(live.peak_bytes)}, "
             f"step peak {liveness.fmt(peak)}")
     if budget is not None:
