@@ -114,13 +114,13 @@ def _block_local(base: type) -> type:
     held both blocks' activations at once (the Llama-style model under a memory budget: 38.8 MiB where the FX
     order plans 23.5). Inductor's own guard (`are_long_distant_nodes`: 64 scheduler nodes apart) misses blocks
     that small."""
-    def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+    def can_fuse_horizontal(scheduler, node1, node2, *rest):  # (shared_data_score in torch 2.13)
         a, b = _blocks(node1), _blocks(node2)
         if a and b and a != b:
             from torch._inductor.scheduler import WhyNoFuse
             WhyNoFuse(node1, node2)("zcompile: the work of different blocks")
             return False
-        return base.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
+        return base.can_fuse_horizontal(scheduler, node1, node2, *rest)
 
     def uuid(self):  # inductor's FX graph cache keys on it (config._cache_config_factory_keys)
         inner = base.uuid(self) if hasattr(base, "uuid") else base.__qualname__
@@ -134,12 +134,16 @@ def _block_local(base: type) -> type:
 def block_local_fusion():
     """Inside: inductor does not fuse two blocks' work horizontally (_block_local; a user's own
     `inductor_choices_class` is the base), and its FX graph cache keys say so where torch keys on the choices
-    class (2.13)."""
+    class (2.13). A torch whose choices class has no `can_fuse_horizontal` fuses as it does."""
     from torch._inductor import config
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
-    user = config.inductor_choices_class
-    cls = _block_local(user if isinstance(user, type) else InductorChoices)
+    user = getattr(config, "inductor_choices_class", None)
+    base = user if isinstance(user, type) else type(user()) if callable(user) else InductorChoices  # (a factory)
+    if not hasattr(base, "can_fuse_horizontal"):  # a torch whose choices do not decide fusions: as it is
+        yield
+        return
+    cls = _block_local(base)
     keyed = "inductor_choices_class" in getattr(config, "_cache_config_factory_keys", ())
     with (config.patch(inductor_choices_class=cls) if keyed else contextlib.nullcontext()), \
             V.set_choices_handler(cls()):
