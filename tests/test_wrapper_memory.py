@@ -35,6 +35,14 @@ def _compiled(f, inputs, blocks=None):
     return gm, program
 
 
+def _held(gm, region, inputs) -> list[Input]:
+    """The one region's inputs as the simulation takes them: `inputs` (the graph's, in placeholder order), each held
+    by the caller (not freeable)."""
+    by_name = dict(zip((p.name for p in gm.graph.find_nodes(op="placeholder")), inputs))
+    return [Input(("storage", StorageWeakRef(x.untyped_storage())), x.untyped_storage().nbytes(), x.dtype, False,
+                  tuple(x.shape)) for x in (by_name[n.name] for n in region.inputs)]
+
+
 def test_the_simulated_code_allocates_what_the_allocator_sees():
     """The most bytes the compiled SwiGLU backward allocates above its inputs, simulated from its wrapper code,
     equals the CPU allocator's highest rise while it runs (its inputs stay referenced by the caller here), and is
@@ -45,11 +53,7 @@ def test_the_simulated_code_allocates_what_the_allocator_sees():
     gm, program = _compiled(_swiglu_backward, inputs)
     (region,) = program.layout
     assert region.code is not None and "def call" in region.code
-    by_name = dict(zip((p.name for p in gm.graph.find_nodes(op="placeholder")), inputs))
-    held = [Input(("storage", StorageWeakRef(x.untyped_storage())), x.untyped_storage().nbytes(), x.dtype, False,
-                  tuple(x.shape))
-            for x in (by_name[n.name] for n in region.inputs)]
-    code = simulate(region.code, held)
+    code = simulate(region.code, _held(gm, region, inputs))
     program(list(inputs))  # warm: the first call loads the kernels
     measured = min(highest_rise(allocator_events(lambda: program(list(inputs)))) for _ in range(3))
     assert abs(code.delta - measured) <= 1024, (code.delta, measured, code.line)
@@ -213,10 +217,7 @@ def test_inductor_does_not_fuse_two_blocks_work_so_its_code_keeps_the_fx_order()
         with config.patch(fx_graph_cache=False):
             program = codegen.compile_graph("inductor", gm, list(inputs), "forward", False)
         (region,) = program.layout
-        by_name = dict(zip((p.name for p in gm.graph.find_nodes(op="placeholder")), inputs))
-        held = [Input(("storage", StorageWeakRef(x.untyped_storage())), x.untyped_storage().nbytes(), x.dtype,
-                      False, tuple(x.shape)) for x in (by_name[n.name] for n in region.inputs)]
-        peaks[tagged] = (simulate(region.code, held).delta, liveness.analyze(gm).peak_bytes)
+        peaks[tagged] = (simulate(region.code, _held(gm, region, inputs)).delta, liveness.analyze(gm).peak_bytes)
         torch.testing.assert_close(program(list(inputs))[0], _block_then_recompute(*inputs)[0])
     (code, planned), (untagged_code, _) = peaks[True], peaks[False]
     assert code == planned, peaks
