@@ -14,7 +14,10 @@ counted on the host:
   graph calls       inductor graph calls ("## Call CompiledFxGraph" events) and, for zcompile's eager backend or
                     its regions run as FX code, none: the count of compiled kernels' launches is the GPU's concern
   autograd nodes    backward nodes the autograd engine evaluated
-and the median step time over --steps (noisy on a shared VM; the counts repeat exactly).
+and the median step time over --steps (noisy on a shared VM; the counts repeat exactly). With --alternate N, the
+systems are also built side by side in one process and stepped in turn, N rounds (A B C A B C ...), for step times
+whose ratios mean something on a shared machine: `step_ms_alternating` and, in the table, the ratio to the first
+system's (plain torch.compile). FSDP2 + torch.compile is not among them (see main).
 """
 from __future__ import annotations
 
@@ -88,8 +91,8 @@ def python_calls(step) -> dict:
     return seen
 
 
-def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+def _stepper(system: str, layers: int, world: int, args):
+    """`step(i, mark)`: one training step of `system` on nanoGPT (see the module doc), and its model."""
     device = torch.device("cpu")
     bf16 = args.dtype == "bf16"
     torch.manual_seed(0)
@@ -116,6 +119,12 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return step, model
+
+
+def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    step, model = _stepper(system, layers, world, args)
     for i in range(args.warmup):
         step(i)
     times = []
@@ -132,18 +141,39 @@ def worker(rank: int, world: int, system: str, layers: int, args) -> dict:
             "tensors": len(list(model.parameters()))}
 
 
+def alternating(rank: int, world: int, systems: list[str], layers: int, args) -> dict:
+    """Median step time (ms) of each system, built side by side in this process and stepped in turn."""
+    steps = {system: _stepper(system, layers, world, args)[0] for system in systems}
+    for i in range(args.warmup):
+        for step in steps.values():
+            step(i)
+    times = {system: [] for system in systems}
+    for i in range(args.alternate):
+        for system, step in steps.items():
+            t0 = time.perf_counter()
+            step(100 + i)
+            times[system].append(time.perf_counter() - t0)
+    return {system: statistics.median(t) * 1e3 for system, t in times.items()}
+
+
 def markdown(rows: list[dict], args) -> str:
     out = [f"### nanoGPT {args.width} wide, vocabulary {args.vocab}, {args.micro} x {args.seq} tokens, {args.dtype}, "
            f"{'fused' if args.fused else 'foreach'} AdamW, world 1, CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-           "| system | layers | python calls | eager ops | graph calls | autograd nodes | step (ms) |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+           "| system | layers | python calls | eager ops | graph calls | autograd nodes | step (ms) | "
+           "step, alternating (ms) | vs first system |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    first = {}
     for r in rows:
         if "error" in r:
             out.append(f"| {r['system']} | {r['layers']} | failed: {r['error'][:120]} |")
             continue
+        alt = r.get("step_ms_alternating")
+        first.setdefault(r["layers"], alt)
+        ratio = f"{alt / first[r['layers']]:.2f}x" if alt and first[r["layers"]] else "-"
         out.append(f"| {r['system']} | {r['layers']} | {r['python_calls']:,} | {r['eager_ops']:,} | "
-                   f"{r['graph_calls']} | {r['autograd_nodes']} | {r['step_ms']:.1f} |")
+                   f"{r['graph_calls']} | {r['autograd_nodes']} | {r['step_ms']:.1f} | "
+                   f"{f'{alt:.1f}' if alt else '-'} | {ratio} |")
     return "\n".join(out) + "\n"
 
 
@@ -160,6 +190,8 @@ def main(argv=None) -> list[dict]:
                     "choice on the CPU)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--alternate", type=int, default=0, help="rounds of the systems stepped in turn in one process "
+                    "(0: none)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--timeout", type=float, default=900, help="seconds per system and depth")
     ap.add_argument("--out", default="bench/results")
@@ -168,17 +200,31 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.tag)
     rows = []
+    systems = args.systems.split(",")
     for layers in map(int, args.layers.split(",")):
-        for system in args.systems.split(","):
+        for system in systems:
             try:
                 rows.append(run_world(1, worker, system, layers, args, timeout=args.timeout)[0])
             except WorkerFailed as e:
                 rows.append({"system": system, "layers": layers, "error": e.errors[0].strip().splitlines()[-1]})
             print(rows[-1], flush=True)
-            with open(base + ".md", "w") as f:
-                f.write(markdown(rows, args))
-            with open(base + ".json", "w") as f:
-                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        # not FSDP2 + torch.compile: dynamo skips nanoGPT's forward frame for it (a graph break in a loop, in
+        # FSDP2's hooks), and a skipped frame is skipped for every model in the process
+        side_by_side = [s for s in systems if not s.startswith("fsdp2")]
+        if args.alternate and side_by_side:
+            try:
+                alt = run_world(1, alternating, side_by_side, layers, args,
+                                timeout=args.timeout * len(side_by_side))[0]
+            except WorkerFailed as e:
+                alt = {}
+                print("alternating run failed:", e.errors[0].strip().splitlines()[-1], flush=True)
+            for r in rows:
+                if r["layers"] == layers and r["system"] in alt:
+                    r["step_ms_alternating"] = alt[r["system"]]
+        with open(base + ".md", "w") as f:
+            f.write(markdown(rows, args))
+        with open(base + ".json", "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
     print(markdown(rows, args))
     return rows
 

@@ -10,7 +10,7 @@ forward it returns the DTensor; inside a forward it returns the whole parameter,
 `model.generate`) that really all-gathers, and the backward reduce-scatters into `p.grad`. Under dynamo the same code
 leaves `placeholder(DTensor) -> redistribute -> to_local` in the graph; `unwrap_graph` collapses each chain into
 one plain placeholder of the parameter's full shape, so the passes see what they always saw, and the backend feeds
-that placeholder with the shard (`graph_input`), whose gradient `_GradsToParams` hands back to `p.grad`.
+that placeholder with the shard (`shard_store.graph_inputs`), whose gradient `_GradsToParams` hands back to `p.grad`.
 Dynamo guards on the DTensor itself, so `requires_grad_` toggled between steps recompiles as it should. While dynamo
 traces for the zero backend the property returns a stand-in token instead, which costs dynamo less ([Note: tokens]);
 the backend then guards on the DTensor's requires_grad itself.
@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from zcompile.runtime import dcp_optimizers, dist_context, foreach_sharding_prop, shard_store
+from zcompile.runtime import dcp_optimizers, dist_context, foreach_sharding_prop, grad_foreach, shard_store
 from zcompile.errors import ZCompileError, ZeroError
 from zcompile.config import Stage, Tier
 
@@ -81,7 +81,7 @@ def make_dtensor(zp: shard_store.ShardedParam, requires_grad: bool, ctx, timeout
 def retire(zp: shard_store.ShardedParam) -> None:
     """The plain parameter the DTensor replaces keeps its shape over a single NaN: a reference the user took before
     the swap reads NaN and cannot be written (instead of reading freed or stale storage); toggling its requires_grad
-    fails at the next run (graph_input). An optimizer built before the swap is pointed at the DTensor
+    fails at the next run (shard_store.graph_inputs). An optimizer built before the swap is pointed at the DTensor
     (shard_store.adopt_optimizer)."""
     old = zp.standin = zp.param  # keep it alive: the optimizer may not hold it any more
     zp.standin_device = old.device
@@ -93,7 +93,7 @@ def retire(zp: shard_store.ShardedParam) -> None:
 # [Note: tokens] What a zero-backend trace reads for a DTensor parameter. Dynamo wraps each DTensor it meets as a
 # graph input (its local tensor too) and guards on its spec, its local tensor and its mesh with Python lambdas: at 32
 # blocks that was most of dynamo's per-block cost and 1.4 ms of guard checks per call. The graph does not read the
-# DTensor anyway (the backend feeds its placeholder with the shard, `ShardedParam.graph_input`), so while dynamo
+# DTensor anyway (the backend feeds its placeholder with the shard, `shard_store.graph_inputs`), so while dynamo
 # traces for the zero backend the property returns the parameter's token: a plain tensor of the whole parameter's
 # shape, dtype and compute device over one NaN element, which requires grad (a floating one: inside the forward
 # `requires_grad` reads True for a frozen parameter too, limitations.md). The backend (`unwrap_graph`) turns
@@ -251,6 +251,7 @@ def shard_module(root: nn.Module, register, ctx, timeout_s: float) -> int:
     """Replace every eligible parameter of `root` (and its submodules, tied ones once) by its DTensor; `register`
     maps a plain parameter to its ShardedParam. Returns how many were replaced."""
     foreach_sharding_prop.install()  # the optimizer's first foreach step over the DTensors
+    grad_foreach.install()  # clip_grad_norm_ over their gradients
     dcp_optimizers.install()  # get_state_dict / set_state_dict before an optimizer's first step
     done: dict[int, nn.Parameter] = {}
     for path, module in root.named_modules():

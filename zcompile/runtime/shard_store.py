@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from zcompile.runtime import collective_traffic, local_step, nonfinite, offload_engine, update_in_backward
+from zcompile.runtime import collective_traffic, grad_foreach, local_step, nonfinite, offload_engine, update_in_backward
 from zcompile.runtime.dist_context import DistContext, all_gather_flat
 from zcompile.errors import ZeroError
 from zcompile.config import Stage, Tier
@@ -130,8 +130,9 @@ class ShardedParam:
         self.dtensor: nn.Parameter | None = None  # the module's DTensor parameter (dtensor_params), if it has one
         self.token: torch.Tensor | None = None  # what zero-backend traces read for that DTensor (dtensor_params)
         self.mesh = None  # the device mesh of that DTensor
-        self._grad_spec = None  # the DTensorSpec of its gradients (grad_dtensor)
-        self._rows_layout = None  # (shape, stride) of this rank's rows (_grad_rows)
+        self._grad_spec = None  # the DTensorSpec of its gradients (hand_grad)
+        self._rows_shape = None  # the shape of this rank's rows of a gradient (hand_grad)
+        self._rows_padded = False  # whether those rows are fewer than the shard's elements
         self.wrapper_storage = None  # its own (data-less) storage: `p.data = t` replaces it, see check_not_reassigned
         self.name = ""  # the parameter's name in the module that registered it (for messages)
         self.seen_version = self.versions()  # of the storage the full copy was last gathered from
@@ -276,24 +277,6 @@ class ShardedParam:
             self._secondary = torch.empty(self.secondary_numel, dtype=self.secondary_dtype, device=self.shard.device)
         return self._secondary
 
-    def graph_input(self, arg: torch.Tensor) -> torch.Tensor | None:
-        """What the compiled graph takes for this parameter, given what dynamo passed (the DTensor or the stand-in);
-        None for a DTensor parameter whose gradient the graph computes (`graph_inputs` hands those over)."""
-        self.compiled_calls += 1
-        if self.dtensor is not None and (arg is self.dtensor or arg is self.token):
-            check_not_reassigned(self)
-            if self.standin.requires_grad != self.standin_grad:
-                raise ZeroError(
-                    f"requires_grad of a parameter {list(self.shape)} was changed on a reference taken before the "
-                    "first forward: zcompile then replaced the module's parameters by DTensor shards, so that tensor "
-                    "is no longer the parameter. Take parameters from the module after the first forward (or call "
-                    "zcompile.shard_parameters(model, config) before taking them), e.g. "
-                    "`for p in model.block.parameters(): p.requires_grad_(True)`")
-            if self.dtensor.requires_grad and torch.is_grad_enabled():
-                return None
-            return self.graph_tensor()
-        return self.shard if self.stage >= Stage.GRADIENTS else self.param
-
     def graph_tensor(self) -> torch.Tensor:
         """The storage a graph reads: the flat shard (stages 2/3) or the whole parameter (stage 1)."""
         return (self.shard if self.stage >= Stage.GRADIENTS else self.full_view()).detach()
@@ -322,56 +305,58 @@ class ShardedParam:
             self._slice = torch.from_dlpack(self.local_slice().detach())
         return self.as_rows(self._slice)
 
-    def grad_dtensor(self, g: torch.Tensor, traced: bool = False) -> torch.Tensor:
-        """The DTensor gradient of the parameter from a graph's gradient of graph_tensor(). Made as FSDP2 makes its
-        gradients (_from_local_no_grad): the DTensor constructor over a spec made once, not DTensor.from_local,
-        whose autograd function and argument handling cost about as much as a small kernel launch per parameter
-        and step (measured on an H200, 2026-11-26: 60-100 us of CPU per parameter). `traced`: compiled autograd is
-        tracing this, which takes the traceable constructor."""
-        if traced:
-            return self.as_dtensor(self._grad_rows_reshaped(g), self.dtensor.device_mesh)
-        rows = self._grad_rows(g)
-        spec = self._grad_spec
-        if spec is None or spec.mesh is not self.dtensor._spec.mesh or spec.tensor_meta.dtype != rows.dtype:
-            from torch._prims_common import make_contiguous_strides_for
-            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-            meta = TensorMeta(torch.Size(self.shape), make_contiguous_strides_for(self.shape), rows.dtype)
-            spec = self._grad_spec = DTensorSpec(self.dtensor._spec.mesh, (Shard(0),), tensor_meta=meta)
-        # __new__ alone: DTensor.__init__ does nothing but costs a dynamo-disabling wrapper (~10 Python calls)
-        return DTensor.__new__(DTensor, rows, spec, requires_grad=False)
+    def hand_grad(self, g: torch.Tensor, node) -> torch.Tensor | None:
+        """The parameter's DTensor gradient from a graph's gradient `g` of graph_tensor(): put into `.grad` here
+        (None returned) where the engine's AccumulateGrad `node` would do just that, else returned for the engine
+        (`node` None: always returned).
 
-    def accumulate(self, grad: torch.Tensor, node) -> bool:
-        """Do what the engine's AccumulateGrad `node` of the DTensor parameter would do with `grad`, when it runs in
-        this backward and no hook on the parameter could see the difference; False: leave it to the engine. The
-        engine's way costs a DTensor dispatch per parameter and step (a detach, or an add_ when accumulating: ~30
-        Python calls and an eager op each, issue 56). Hooks put on the node itself (`grad_fn.next_functions`) are
-        not seen: docs/limitations.md."""
+        Made as FSDP2 makes its gradients (_from_local_no_grad): the DTensor constructor over a spec made once, not
+        DTensor.from_local, whose autograd function and argument handling cost about as much as a small kernel
+        launch per parameter and step (measured on an H200, 2026-11-26: 60-100 us of CPU per parameter). Accumulated
+        here when the node runs in this backward and no hook on the parameter could see the difference: the engine's
+        way costs a DTensor dispatch per parameter and step (a detach, or an add_ when accumulating: ~30 Python calls
+        and an eager op each, issue 56). Hooks put on the node itself (`grad_fn.next_functions`) are not seen:
+        docs/limitations.md. One method, four Python calls per parameter and step (bench/host_work.py)."""
+        spec = self._grad_spec
+        if spec is None or spec.mesh is not self.dtensor._spec.mesh or spec.tensor_meta.dtype != g.dtype:
+            spec = self._make_grad_spec(g.dtype)
+        # stages 2/3: g is the flat shard's gradient, this rank's rows first: one view op where the rank owns the
+        # whole shard (no padding), a slice and a view otherwise (splitting g's one dimension works for any
+        # stride); stage 1: the whole parameter's
+        if self.stage == Stage.OPTIMIZER:
+            rows = self._grad_rows_reshaped(g)
+        elif self._rows_padded:
+            rows = g[: self.hi - self.lo].view(self._rows_shape)
+        else:
+            rows = g.view(self._rows_shape)
+        # __new__ alone: DTensor.__init__ does nothing but costs a dynamo-disabling wrapper (~10 Python calls)
+        grad = DTensor.__new__(DTensor, rows, spec, requires_grad=False)
         p = self.dtensor
-        if p._backward_hooks or p._post_accumulate_grad_hooks or not torch._C._will_engine_execute_node(node):
-            return False
+        if node is None or p._backward_hooks or p._post_accumulate_grad_hooks \
+                or not torch._C._will_engine_execute_node(node):
+            return grad
         held = p.grad
         if held is None:
             p.grad = grad  # AccumulateGrad would keep grad.detach(): the same storage, nothing else refers to grad
-        elif type(held) is type(grad) and held._spec == grad._spec:
-            held._local_tensor.add_(grad._local_tensor)  # AccumulateGrad's in-place `p.grad += grad`, locally
+        elif type(held) is DTensor and (held._spec is spec or held._spec == spec):
+            held._local_tensor.add_(rows)  # AccumulateGrad's in-place `p.grad += grad`, locally
         else:
-            return False
-        return True
+            return grad
+        return None
 
-    def _grad_rows(self, g: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a graph's gradient of graph_tensor(): one view op (as_rows costs three)."""
-        if not g.is_contiguous():
-            return self._grad_rows_reshaped(g)
-        if self._rows_layout is None:
-            from torch._prims_common import make_contiguous_strides_for
-            shape = ((self.hi - self.lo) // self.row_numel, *self.shape[1:])
-            self._rows_layout = (shape, make_contiguous_strides_for(shape))
-        shape, stride = self._rows_layout
-        skip = self.lo if self.stage == Stage.OPTIMIZER else 0
-        return g.as_strided(shape, stride, g.storage_offset() + skip)
+    def _make_grad_spec(self, dtype: torch.dtype):
+        """The DTensorSpec of this parameter's gradients in `dtype` (its placements object is grad_foreach's)."""
+        from torch._prims_common import make_contiguous_strides_for
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        meta = TensorMeta(torch.Size(self.shape), make_contiguous_strides_for(self.shape), dtype)
+        self._rows_shape = ((self.hi - self.lo) // self.row_numel, *self.shape[1:])
+        self._rows_padded = self.hi - self.lo != self.shard_numel
+        self._grad_spec = DTensorSpec(self.dtensor._spec.mesh, grad_foreach.GRAD_PLACEMENTS, tensor_meta=meta)
+        return self._grad_spec
 
     def _grad_rows_reshaped(self, g: torch.Tensor) -> torch.Tensor:
-        """_grad_rows for any layout (and traceable): flattened, this rank's part, viewed as rows."""
+        """This rank's rows of a graph's gradient of graph_tensor(), for any layout (and traceable): flattened, this
+        rank's part, viewed as rows."""
         flat = g.reshape(-1)
         return self.as_rows(flat[self.lo:] if self.stage == Stage.OPTIMIZER else flat)
 
@@ -506,7 +491,7 @@ def register(param: nn.Parameter, stage: int, ctx: DistContext, offload=None, ro
         if zp.row_multiple != row_multiple:
             raise RuntimeError(f"parameter of shape {tuple(param.shape)} is sharded "
                                + (f"by rows for {zp.row_multiple} tiles" if zp.row_multiple else "without tiling")
-                               + f"; a compile asks for " + (f"{row_multiple} tiles" if row_multiple else "no tiling")
+                               + "; a compile asks for " + (f"{row_multiple} tiles" if row_multiple else "no tiling")
                                + ": use one config per model (and pass it to load_checkpoint(..., config=))")
         return zp
     zp = ShardedParam(param, stage, ctx, offload, row_multiple, attach, compute_dtype)
@@ -804,20 +789,42 @@ def graph_inputs(args: list, params: dict) -> None:
     """Replace each parameter's argument (`params`: argument index -> ShardedParam) by what its graph reads. The
     DTensor parameters whose gradient the graph computes go through one autograd node per graph call, whose
     backward makes their DTensor gradients: a node per parameter cost ~15 Python calls and two ops each, every
-    step (issue 56)."""
+    step (issue 56). Per parameter and call this costs three Python calls (bench/host_work.py counts them)."""
     if update_in_backward.LANDED:
         update_in_backward.check_no_pending("a forward")
-    wanted = []
-    for i, zp in params.items():
-        x = zp.graph_input(args[i])
-        if x is None:
-            wanted.append(i)
+    grad_enabled = torch.is_grad_enabled()
+    wanted = False
+    for i, zp in params.items():  # one Python call per parameter in the common case (the storage check)
+        zp.compiled_calls += 1
+        dtensor, arg = zp.dtensor, args[i]
+        if dtensor is not None and (arg is dtensor or arg is zp.token):
+            if dtensor.untyped_storage()._cdata != zp.wrapper_storage or zp.standin.requires_grad != zp.standin_grad:
+                _refuse_changed(zp)
+            if dtensor.requires_grad and grad_enabled:
+                args[i], wanted = _WANTED, True
+            else:
+                args[i] = zp.graph_tensor()
         else:
-            args[i] = x
+            args[i] = zp.shard if zp.stage >= Stage.GRADIENTS else zp.param
     if wanted:
-        zps = tuple(map(params.__getitem__, wanted))
-        for i, t in zip(wanted, _GradsToParams.apply(zps, *[zp.dtensor for zp in zps])):
+        at = [i for i, a in enumerate(args) if a is _WANTED]
+        zps = tuple([params[i] for i in at])
+        for i, t in zip(at, _grads_to_params(zps, *[zp.dtensor for zp in zps])):
             args[i] = t
+
+
+_WANTED = object()  # graph_inputs: an argument _GradsToParams hands over
+
+
+def _refuse_changed(zp: ShardedParam) -> None:
+    """graph_inputs found the DTensor parameter reassigned or its stand-in's requires_grad changed."""
+    check_not_reassigned(zp)
+    raise ZeroError(
+        f"requires_grad of a parameter {list(zp.shape)} was changed on a reference taken before the first forward: "
+        "zcompile then replaced the module's parameters by DTensor shards, so that tensor is no longer the "
+        "parameter. Take parameters from the module after the first forward (or call "
+        "zcompile.shard_parameters(model, config) before taking them), e.g. "
+        "`for p in model.block.parameters(): p.requires_grad_(True)`")
 
 
 class _GradsToParams(torch.autograd.Function):
@@ -828,7 +835,9 @@ class _GradsToParams(torch.autograd.Function):
     def forward(ctx, zps, *dtensors):
         ctx.zps = zps
         ctx.set_materialize_grads(False)
-        return tuple([zp.graph_tensor() for zp in zps])  # list comprehensions: a generator resumes per item
+        # graph_tensor() inlined for stages 2/3 (a call per parameter less); list comprehensions: a generator
+        # resumes per item
+        return tuple([zp.shard.detach() if zp.stage >= Stage.GRADIENTS else zp.graph_tensor() for zp in zps])
 
     @staticmethod
     def backward(ctx, *grads):
@@ -840,8 +849,27 @@ class _GradsToParams(torch.autograd.Function):
                 torch._C._will_engine_execute_node(edges[0][0])
             except RuntimeError:
                 edges = None
-        out = [None]
-        for k, (zp, g) in enumerate(zip(ctx.zps, grads)):
-            grad = None if g is None else zp.grad_dtensor(g, traced)
-            out.append(None if grad is not None and edges is not None and zp.accumulate(grad, edges[k][0]) else grad)
+        zps = ctx.zps
+        out = [None] * (len(zps) + 1)
+        for k, g in enumerate(grads):
+            if g is None:
+                continue
+            zp = zps[k]
+            if traced:
+                out[k + 1] = zp.as_dtensor(zp._grad_rows_reshaped(g), zp.dtensor.device_mesh)
+            else:
+                out[k + 1] = zp.hand_grad(g, None if edges is None else edges[k][0])
         return tuple(out)
+
+
+def _grads_to_params(zps, *dtensors):
+    """_GradsToParams.apply without the per-argument Python work of autograd.Function.apply (three calls per tensor
+    to unwrap functorch wrappers, which a module's DTensor parameter never is) when no functorch transform is
+    active: the C entry it ends in."""
+    if torch._C._are_functorch_transforms_active():
+        return _GradsToParams.apply(zps, *dtensors)
+    return _apply_c(zps, *dtensors)
+
+
+# what autograd.Function.apply calls once its argument handling is done (torch's C `_FunctionBase.apply`)
+_apply_c = super(torch.autograd.Function, _GradsToParams).apply
