@@ -6,7 +6,9 @@
 # plain torch.compile, zcompile's default regions and regional_compile 'nested', which decides that default),
 # offload (GPT-2 774M: zcompile without offload, with the optimizer on the host, with its update delayed one
 # step, and with each bucket updated during the backward, issue 57), chunked-loss (GPT-2 124M and 774M: zcompile's
-# default chunked head and loss, with its logits made again in the backward, and unchunked), cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
+# default chunked head and loss, with its logits made again in the backward, and unchunked), host-work (Python calls,
+# eager ops and graph calls per step, and the step of each system stepped in turn: bench/host_work.py on GPT-2 124M
+# shapes), cpu-adam (the host's optimizer update rate against its memory bandwidth), tests
 # (tests/test_gpu.py). Each workload part is bench/workload.py with plain torch.compile, FSDP2 + torch.compile,
 # zcompile stage 3 and zcompile with the optimizer on the host, one system after the other, each under its own
 # timeout, the table rewritten as each finishes; each system's steps are profiled (torch.profiler table, and the
@@ -51,6 +53,13 @@ for part in $parts; do
                     --systems zcompile_z3,zcompile_z3_recompute_logits,zcompile_z3_unchunked_loss \
                     --tag "workload-gpt2-${size%:*}-chunked-loss"
             done ;;
+        host-work)  # issue 69: the host's work per step and the step ratio, systems stepped in turn, GPT-2 124M shapes
+            timeout 420 python bench/host_work.py --device cuda --layers 12 --width 768 --heads 12 --vocab 50304 \
+                --seq 1024 --micro 8 --warmup 3 --steps 10 --alternate 20 --fused --timeout 120 \
+                --systems torch_compile,zcompile_z3,zcompile_z3_nested --tag host_work-gpu --out "$OUT" \
+                > "$OUT/host-work.txt" 2>&1
+            since "host-work" $?
+            tail -6 "$OUT/host-work.txt" ;;
         cpu-adam)  # the host's update rate against its memory bandwidth (issue 57), 100M and 1B elements
             timeout 300 python bench/cpu_adam_rate.py --sizes 100M,1B --out "$OUT" > "$OUT/cpu-adam.txt" 2>&1
             since "cpu-adam" $?

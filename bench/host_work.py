@@ -3,6 +3,7 @@ beside plain torch.compile and FSDP2 + torch.compile, at two depths (work that g
 as a column that doubles).
 
     python bench/host_work.py                      # nanoGPT, 8 and 24 layers x 64, vocabulary 256, 2 x 64 tokens, bf16
+    python bench/host_work.py --device cuda        # the same model on a GPU: the host's work for a GPU step
 
 Per system (bench/workload.py's setups, world 1, gloo) and depth, one training step after --warmup steps
 (forward, backward, clip_grad_norm_(1.0), AdamW in nanoGPT's groups, foreach or with --fused fused, zero_grad),
@@ -93,11 +94,11 @@ def python_calls(step) -> dict:
 
 def _stepper(system: str, layers: int, world: int, args):
     """`step(i, mark)`: one training step of `system` on nanoGPT (see the module doc), and its model."""
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     bf16 = args.dtype == "bf16"
     torch.manual_seed(0)
     model = nanogpt.GPT(nanogpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers,
-                                          n_head=args.heads, n_embd=args.width))
+                                          n_head=args.heads, n_embd=args.width)).to(device)
     run, opt, autocast = workload.SETUP[system](model, world, device, bf16)
     if args.fused:  # what nanoGPT's configure_optimizers picks on CUDA
         opt = torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("foreach", "fused")}
@@ -105,9 +106,9 @@ def _stepper(system: str, layers: int, world: int, args):
 
     def step(i, mark=lambda name: None):
         g = torch.Generator().manual_seed(i)
-        xy = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=g)
+        xy = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=g).to(device)
         mark("forward")
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
             loss = run(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())[1]
         mark("backward")
         loss.backward()
@@ -117,6 +118,8 @@ def _stepper(system: str, layers: int, world: int, args):
         opt.step()
         mark("zero_grad")
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":  # step times: until the device is done
+            torch.cuda.synchronize(device)
         return loss
 
     return step, model
@@ -156,9 +159,15 @@ def alternating(rank: int, world: int, systems: list[str], layers: int, args) ->
     return {system: statistics.median(t) * 1e3 for system, t in times.items()}
 
 
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} (counts are the host's)"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
 def markdown(rows: list[dict], args) -> str:
     out = [f"### nanoGPT {args.width} wide, vocabulary {args.vocab}, {args.micro} x {args.seq} tokens, {args.dtype}, "
-           f"{'fused' if args.fused else 'foreach'} AdamW, world 1, CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
+           f"{'fused' if args.fused else 'foreach'} AdamW, world 1, {_device_name(args.device)}, torch {torch.__version__}, "
            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
            "| system | layers | python calls | eager ops | graph calls | autograd nodes | step (ms) | "
            "step, alternating (ms) | vs first system |",
@@ -186,6 +195,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cuda: the host's work for a GPU step, with "
+                    "NCCL)")
     ap.add_argument("--fused", action="store_true", help="fused AdamW, as nanoGPT on CUDA (default: foreach, its "
                     "choice on the CPU)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -201,10 +212,11 @@ def main(argv=None) -> list[dict]:
     base = os.path.join(args.out, args.tag)
     rows = []
     systems = args.systems.split(",")
+    env = {"ZC_TEST_PG": "nccl"} if args.device.startswith("cuda") else {}
     for layers in map(int, args.layers.split(",")):
         for system in systems:
             try:
-                rows.append(run_world(1, worker, system, layers, args, timeout=args.timeout)[0])
+                rows.append(run_world(1, worker, system, layers, args, timeout=args.timeout, env=env)[0])
             except WorkerFailed as e:
                 rows.append({"system": system, "layers": layers, "error": e.errors[0].strip().splitlines()[-1]})
             print(rows[-1], flush=True)
@@ -213,7 +225,7 @@ def main(argv=None) -> list[dict]:
         side_by_side = [s for s in systems if not s.startswith("fsdp2")]
         if args.alternate and side_by_side:
             try:
-                alt = run_world(1, alternating, side_by_side, layers, args,
+                alt = run_world(1, alternating, side_by_side, layers, args, env=env,
                                 timeout=args.timeout * len(side_by_side))[0]
             except WorkerFailed as e:
                 alt = {}
