@@ -54,8 +54,8 @@ for part in $parts; do
                     --tag "workload-gpt2-${size%:*}-chunked-loss"
             done ;;
         host-work)  # issue 69: the host's work per step and the step ratio, systems stepped in turn, GPT-2 124M shapes
-            timeout 420 python bench/host_work.py --device cuda --layers 12 --width 768 --heads 12 --vocab 50304 \
-                --seq 1024 --micro 8 --warmup 3 --steps 10 --alternate 20 --fused --timeout 120 \
+            timeout 540 python bench/host_work.py --device cuda --layers 12 --width 768 --heads 12 --vocab 50304 \
+                --seq 1024 --micro 8 --warmup 3 --steps 10 --alternate 20 --fused --timeout 90 \
                 --systems torch_compile,zcompile_z3,zcompile_z3_nested --tag host_work-gpu --out "$OUT" \
                 > "$OUT/host-work.txt" 2>&1
             since "host-work" $?

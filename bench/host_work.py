@@ -186,6 +186,14 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(out) + "\n"
 
 
+def _write(base: str, rows: list[dict], args) -> None:
+    """The table and the JSON so far (rewritten as each run finishes: a timeout keeps what ran)."""
+    with open(base + ".md", "w") as f:
+        f.write(markdown(rows, args))
+    with open(base + ".json", "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="8,24")
@@ -220,6 +228,7 @@ def main(argv=None) -> list[dict]:
             except WorkerFailed as e:
                 rows.append({"system": system, "layers": layers, "error": e.errors[0].strip().splitlines()[-1]})
             print(rows[-1], flush=True)
+            _write(base, rows, args)
         # not FSDP2 + torch.compile: dynamo skips nanoGPT's forward frame for it (a graph break in a loop, in
         # FSDP2's hooks), and a skipped frame is skipped for every model in the process
         side_by_side = [s for s in systems if not s.startswith("fsdp2")]
@@ -233,10 +242,7 @@ def main(argv=None) -> list[dict]:
             for r in rows:
                 if r["layers"] == layers and r["system"] in alt:
                     r["step_ms_alternating"] = alt[r["system"]]
-        with open(base + ".md", "w") as f:
-            f.write(markdown(rows, args))
-        with open(base + ".json", "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+            _write(base, rows, args)
     print(markdown(rows, args))
     return rows
 

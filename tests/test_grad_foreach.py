@@ -121,3 +121,50 @@ def test_clip_grad_norm_over_zcompile_gradients_gives_dtensors_results_on_the_lo
             for (p, g, _), (p_, g_, _) in zip(grads, grads_):
                 assert p == p_
                 assert torch.equal(g, g_), (ours, norm_type, shapes)
+
+
+def _compiled_model_clip(rank: int, world: int) -> dict:
+    """A GPT compiled for the zero backend (eager code, stage 3, world 2),
+    one backward twice: torch's clip_grad_norm_ over the gradients the backward handed over, with the handlers and
+    with DTensor's own path."""
+    from tests import workers
+    model = workers.build_model("gpt")
+    run = torch.compile(model, backend="zero", options={"config": {"stage": 3, "backend": "eager"}})
+    torch.manual_seed(1)
+    idx = torch.randint(0, workers.VOCAB, (workers.MICRO, workers.SEQ))
+    out = {}
+    for fast in (True, False):
+        model.zero_grad(set_to_none=True)
+        run(idx, idx).loss.backward()
+        params = list(model.parameters())
+        assert all(p.grad._spec.placements is grad_foreach.GRAD_PLACEMENTS for p in params), \
+            "the backward hands over gradients with grad_foreach's placements"
+        out[fast] = _clip_with(params, fast)
+    return out
+
+
+def _clip_with(params: list, fast: bool) -> tuple:
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    mine = {op: h for op, h in handlers.items() if isinstance(h, grad_foreach._Handler)}
+    served = []
+    for h in mine.values():
+        h.fast = _Counted(h, served)
+    try:
+        if not fast:
+            for op in mine:
+                del handlers[op]
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm=0.1)
+        return total.full_tensor(), [p.grad.to_local().clone() for p in params], served
+    finally:
+        handlers.update(mine)
+        for h in mine.values():
+            h.fast = h.fast.inner
+
+
+def test_a_compiled_models_gradients_take_the_local_path_with_dtensors_result():
+    for out in run_world(2, _compiled_model_clip):
+        (total, grads, served), (total_, grads_, served_) = out[True], out[False]
+        assert "aten._foreach_norm.Scalar" in served and "aten._foreach_mul_.Tensor" in served and served_ == []
+        assert torch.equal(total, total_) and total.item() > 0.1
+        for g, g_ in zip(grads, grads_):
+            assert torch.equal(g, g_)

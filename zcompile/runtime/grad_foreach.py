@@ -5,15 +5,17 @@ of its outputs as a DTensor (a dynamo-disabling constructor, ~13 Python calls ea
 `_foreach_mul_` each hash every argument's spec for the sharding cache (one Python call per tensor and op). Over a
 24-layer model's 292 gradients that doubled the clip's host work against plain tensors (bench/host_work.py).
 
-The gradients zcompile makes (shard_store.grad_dtensor) all carry `GRAD_PLACEMENTS`, one tuple object, on a 1-D
-mesh: seeing that object on every tensor proves the Shard(0) layout without comparing placements. For such lists
-DTensor's custom-op-handler table (`DTensor._op_dispatcher._custom_op_handlers`) runs these three ops on the local
-tensors with one foreach kernel and hands out outputs with DTensor's own output specs, worked out by DTensor's
-default path once per kind (norm type, dtype, mesh; stack length) and reused. Anything else (other placements, a
-tensor that is not zcompile's, a device mesh of several dimensions, an `out=`, the -inf norm, fake tensors or a
-trace) takes DTensor's default path unchanged, so results and placements are DTensor's. One difference: the
+The gradients a backward hands over (shard_store.ShardedParam.hand_grad) carry `GRAD_PLACEMENTS`, one tuple object
+(so do DTensors DTensor derives from them, which keep their input's placements): seeing that object on every tensor
+of a list on one 1-D mesh proves the Shard(0) layout without comparing placements. For such lists DTensor's
+custom-op-handler table (`DTensor._op_dispatcher._custom_op_handlers`) runs these three ops on the local tensors
+with one foreach kernel and hands out outputs with DTensor's own output specs, worked out by DTensor's default path
+once per kind (norm type, dtype, mesh; stack length and dim) and reused. Anything else (other placements or
+placement objects, a device mesh of several dimensions, a `dtype` or `out=` argument, the -inf norm, fake tensors
+or a trace) takes DTensor's default path unchanged, so results and placements are DTensor's. One difference: the
 infinity norm of a gradient of which a rank owns no rows is 0 on that rank here, where DTensor's path fails
-(clipping by the infinity norm a model with a parameter of fewer rows than ranks).
+(clipping by the infinity norm a model with a parameter of fewer rows than ranks), as long as every gradient of
+the dtype is one of these (not, e.g., under compiled autograd).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ GRAD_PLACEMENTS = (Shard(0),)  # the placements object of every gradient zcompil
 _aten = torch.ops.aten
 _lock = threading.Lock()
 _installed = False
-_norm_specs: dict = {}  # (mesh, ord, dtype kwarg, input dtype) -> the output spec DTensor gives
+_norm_specs: dict = {}  # (mesh, ord, input dtype) -> the output spec DTensor gives
 _stack_specs: dict = {}  # (input spec, length, dim) -> the output spec DTensor gives
 
 
@@ -65,7 +67,8 @@ class _Handler:
 
 def _default(op_call, args, kwargs):
     """DTensor's own dispatch of the op: with no custom handler for it, the C++ entry takes its usual path. Another
-    thread calling the op meanwhile takes that path too, which gives the same result."""
+    thread calling the op meanwhile takes that path too: DTensor's result (slower; for the infinity norm over a rank
+    owning no rows, DTensor's error)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     mine = handlers.pop(op_call, None)
     try:
@@ -96,47 +99,42 @@ def _locals(tensors) -> tuple[list, object] | None:
 
 
 def _foreach_norm(args, kwargs):
-    found = _locals(args[0])
-    if found is None or len(args) > 2 or set(kwargs) - {"ord", "dtype"}:
+    # clip_grad_norm_'s call: (tensors, ord); DTensor's entry drops arguments equal to their defaults
+    if len(args) > 2 or (kwargs and set(kwargs) != {"ord"}):
+        return NotImplemented
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    found = None if ord_ == -math.inf else _locals(args[0])
+    if found is None:
         return NotImplemented
     local, mesh = found
-    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    dtype = kwargs.get("dtype")
-    key = (mesh, ord_, dtype, args[0][0].dtype)
+    key = (mesh, ord_, args[0][0].dtype)
     spec = _norm_specs.get(key)
-    if spec is None:
-        spec = _norm_specs[key] = _norm_spec(mesh, args[0][0], args[1:], kwargs)
-    if ord_ == math.inf:
-        norms = _max_norms(local, dtype)
-    elif ord_ == -math.inf:
-        return NotImplemented
-    else:
-        norms = torch._foreach_norm(local, ord_, dtype=dtype)
+    if spec is None or spec.mesh is not mesh:  # (an equal mesh of another group: its own spec)
+        spec = _norm_specs[key] = _norm_spec(mesh, args[0][0], ord_)
+    norms = _max_norms(local) if ord_ == math.inf else torch._foreach_norm(local, ord_)
     new = DTensor.__new__
     return [new(DTensor, n, spec, requires_grad=False) for n in norms]
 
 
-def _norm_spec(mesh, like: DTensor, rest: tuple, kwargs: dict):
+def _norm_spec(mesh, like: DTensor, ord_):
     """DTensor's output spec of _foreach_norm for gradients like `like`: its own answer for a one-element gradient
     of each rank (`like`'s part may be empty, where the infinity norm fails)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     one = torch.zeros(1, dtype=like.dtype, device=like._local_tensor.device)
     spec = DTensorSpec(mesh, GRAD_PLACEMENTS, tensor_meta=TensorMeta(torch.Size([mesh.size()]), (1,), like.dtype))
     template = DTensor.__new__(DTensor, one, spec, requires_grad=False)
-    return _default(_aten._foreach_norm.Scalar, ([template], *rest), kwargs)[0]._spec
+    return _default(_aten._foreach_norm.Scalar, ([template], ord_), {})[0]._spec
 
 
-def _max_norms(local: list, dtype) -> list:
+def _max_norms(local: list) -> list:
     """The infinity norms of `local`, 0 for a rank's empty part (max |x| of nothing, under a Partial(max) of
     values >= 0): DTensor's own path fails there (torch's _foreach_norm has no identity for it), on the rank that
     owns no rows of a small parameter."""
     sizes = [t.numel() for t in local]
     if all(sizes):
-        return torch._foreach_norm(local, math.inf, dtype=dtype)
-    found = iter(torch._foreach_norm([t for t, n in zip(local, sizes) if n], math.inf, dtype=dtype)
-                 if any(sizes) else ())
-    return [next(found) if n else torch.zeros((), dtype=dtype or t.dtype, device=t.device)
-            for t, n in zip(local, sizes)]
+        return torch._foreach_norm(local, math.inf)
+    found = iter(torch._foreach_norm([t for t, n in zip(local, sizes) if n], math.inf) if any(sizes) else ())
+    return [next(found) if n else torch.zeros((), dtype=t.dtype, device=t.device) for t, n in zip(local, sizes)]
 
 
 def _stack(args, kwargs):
@@ -148,7 +146,7 @@ def _stack(args, kwargs):
     if type(first) is not DTensor:
         return NotImplemented
     spec = first._spec
-    for norm_spec in _norm_specs.values():  # only the norms made above: stacking them needs no redistribution
+    for norm_spec in list(_norm_specs.values()):  # only the norms made above: stacking them needs no redistribution
         if spec is norm_spec:
             break
     else:

@@ -133,6 +133,7 @@ class ShardedParam:
         self._grad_spec = None  # the DTensorSpec of its gradients (hand_grad)
         self._rows_shape = None  # the shape of this rank's rows of a gradient (hand_grad)
         self._rows_padded = False  # whether those rows are fewer than the shard's elements
+        self._rows_stride = None  # their contiguous strides
         self.wrapper_storage = None  # its own (data-less) storage: `p.data = t` replaces it, see check_not_reassigned
         self.name = ""  # the parameter's name in the module that registered it (for messages)
         self.seen_version = self.versions()  # of the storage the full copy was last gathered from
@@ -322,9 +323,10 @@ class ShardedParam:
             spec = self._make_grad_spec(g.dtype)
         # stages 2/3: g is the flat shard's gradient, this rank's rows first: one view op where the rank owns the
         # whole shard (no padding), a slice and a view otherwise (splitting g's one dimension works for any
-        # stride); stage 1: the whole parameter's
+        # stride); stage 1: the whole parameter's, this rank's rows at offset lo (one op where g is contiguous)
         if self.stage == Stage.OPTIMIZER:
-            rows = self._grad_rows_reshaped(g)
+            rows = (g.as_strided(self._rows_shape, self._rows_stride, g.storage_offset() + self.lo)
+                    if g.is_contiguous() else self._grad_rows_reshaped(g))
         elif self._rows_padded:
             rows = g[: self.hi - self.lo].view(self._rows_shape)
         else:
@@ -351,6 +353,7 @@ class ShardedParam:
         meta = TensorMeta(torch.Size(self.shape), make_contiguous_strides_for(self.shape), dtype)
         self._rows_shape = ((self.hi - self.lo) // self.row_numel, *self.shape[1:])
         self._rows_padded = self.hi - self.lo != self.shard_numel
+        self._rows_stride = make_contiguous_strides_for(self._rows_shape)
         self._grad_spec = DTensorSpec(self.dtensor._spec.mesh, grad_foreach.GRAD_PLACEMENTS, tensor_meta=meta)
         return self._grad_spec
 
@@ -789,7 +792,8 @@ def graph_inputs(args: list, params: dict) -> None:
     """Replace each parameter's argument (`params`: argument index -> ShardedParam) by what its graph reads. The
     DTensor parameters whose gradient the graph computes go through one autograd node per graph call, whose
     backward makes their DTensor gradients: a node per parameter cost ~15 Python calls and two ops each, every
-    step (issue 56). Per parameter and call this costs three Python calls (bench/host_work.py counts them)."""
+    step (issue 56). Per parameter and call this costs two Python calls (bench/host_work.py counts them): the
+    storage check here and the graph input's detach."""
     if update_in_backward.LANDED:
         update_in_backward.check_no_pending("a forward")
     grad_enabled = torch.is_grad_enabled()
