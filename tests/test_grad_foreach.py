@@ -2,6 +2,7 @@
 the local tensors, with DTensor's own results (values and placements) on uneven shards, a rank owning no rows,
 several norm types and dtypes, and plain torch's on the whole gradients (also for the infinity norm with a rank
 owning no rows, where DTensor's path fails); other DTensors take DTensor's default path."""
+import contextlib
 import math
 
 import torch
@@ -45,9 +46,10 @@ class _Counted:
         return out
 
 
-def _clipped(mesh, ours: bool, fast: bool, norm_type: float, shapes: list) -> tuple:
-    """clip_grad_norm_ with the handlers installed (`fast`) or taken out of DTensor's table: the total norm (its
-    placements and value), each clipped gradient's placements and local values, and the ops a handler served."""
+@contextlib.contextmanager
+def _handlers(fast: bool):
+    """Inside: zcompile's three handlers counting the ops they serve (the list yielded), or (`fast` False) taken out
+    of DTensor's table, so DTensor's own path runs."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     mine = {op: h for op, h in handlers.items() if isinstance(h, grad_foreach._Handler)}
     assert len(mine) == 3, "zcompile registers three handlers"
@@ -58,16 +60,23 @@ def _clipped(mesh, ours: bool, fast: bool, norm_type: float, shapes: list) -> tu
         if not fast:
             for op in mine:
                 del handlers[op]
+        yield served
+    finally:
+        handlers.update(mine)
+        for h in mine.values():
+            h.fast = h.fast.inner
+
+
+def _clipped(mesh, ours: bool, fast: bool, norm_type: float, shapes: list) -> tuple:
+    """clip_grad_norm_ with the handlers installed (`fast`) or taken out of DTensor's table: the total norm (its
+    placements and value), each clipped gradient's placements and local values, and the ops a handler served."""
+    with _handlers(fast) as served:
         torch.nn.utils.clip_grad_norm_(_params(mesh, ours, 4, shapes), max_norm=0.5, norm_type=norm_type)
         served.clear()  # a step before: what the handlers learn from DTensor's path at first, they reuse
         params = _params(mesh, ours, 3, shapes)
         total = torch.nn.utils.clip_grad_norm_(params, max_norm=0.5, norm_type=norm_type)
         return (str(total.placements), total.full_tensor(),
                 [(str(p.grad.placements), p.grad.to_local().clone(), p.grad.full_tensor()) for p in params], served)
-    finally:
-        handlers.update(mine)
-        for h in mine.values():
-            h.fast = h.fast.inner
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -144,21 +153,9 @@ def _compiled_model_clip(rank: int, world: int) -> dict:
 
 
 def _clip_with(params: list, fast: bool) -> tuple:
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    mine = {op: h for op, h in handlers.items() if isinstance(h, grad_foreach._Handler)}
-    served = []
-    for h in mine.values():
-        h.fast = _Counted(h, served)
-    try:
-        if not fast:
-            for op in mine:
-                del handlers[op]
+    with _handlers(fast) as served:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm=0.1)
         return total.full_tensor(), [p.grad.to_local().clone() for p in params], served
-    finally:
-        handlers.update(mine)
-        for h in mine.values():
-            h.fast = h.fast.inner
 
 
 def test_a_compiled_models_gradients_take_the_local_path_with_dtensors_result():
