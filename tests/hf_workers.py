@@ -178,10 +178,11 @@ def embeds_matrix(rank: int, world: int, cast: bool = True, backend: str = "eage
     return out
 
 
-def use_cache_run(rank: int, world: int, trace_blocks_once: bool) -> dict:
-    """Llama (4 layers) trained at stage 3 as a user calls it, the config's default `use_cache=True`: the losses, the
-    KV cache the last forward returned (layers filled, their length) and, per graph dynamo handed the backend, its
-    region calls and distinct region bodies."""
+def use_cache_run(rank: int, world: int, family: str) -> dict:
+    """A 4-layer Llama or a 3-layer T5 trained at stage 3 as a user calls it, the config's default `use_cache=True`, with the
+    blocks traced once (True) and inline (False): per way, the losses, the KV cache the last forward returned (its
+    layers' shapes and sums; T5's self- and cross-attention caches and which layers are marked updated) and, per
+    graph dynamo handed the backend, its region calls and distinct region bodies."""
     import transformers as tf
     from zcompile.compiler.tracing import trace_blocks_once as tbo
     seen, inline = [], tbo.inline
@@ -192,24 +193,41 @@ def use_cache_run(rank: int, world: int, trace_blocks_once: bool) -> dict:
             seen.append((len(calls), len({id(getattr(gm, n.args[0].target)) for n in calls})))
         return inline(gm, **kwargs)
 
+    def layers(cache) -> list:
+        return [(tuple(layer.keys.shape), layer.keys.sum().item(), layer.values.sum().item())
+                for layer in cache.layers]
+
     tbo.inline = counting
+    out = {}
     try:
-        reset_dynamo()
-        torch.manual_seed(0)
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_DECODER, "num_hidden_layers": 4}))
-        assert model.config.use_cache
-        run = torch.compile(model, backend="zero", options={"config": {
-            "stage": 3, "backend": "eager", "trace_blocks_once": trace_blocks_once}})
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses = []
-        for _ in range(3):
-            out = run(**batch(rank))
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(out.loss.item())
-        cache = out.past_key_values
-        return {"losses": losses, "seen": seen, "cache": [tuple(layer.keys.shape) for layer in cache.layers],
-                "stored": [(layer.keys.sum().item(), layer.values.sum().item()) for layer in cache.layers]}
+        for once in (True, False):
+            seen.clear()
+            reset_dynamo()
+            torch.manual_seed(0)
+            if family == "t5":
+                model = tf.T5ForConditionalGeneration(tf.T5Config(
+                    vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_heads=4,
+                    decoder_start_token_id=0, dropout_rate=0.0))
+            else:
+                model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_DECODER, "num_hidden_layers": 4}))
+            assert model.config.use_cache
+            run = torch.compile(model, backend="zero", options={"config": {
+                "stage": 3, "backend": "eager", "trace_blocks_once": once}})
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for _ in range(3):
+                res = run(**batch(rank))
+                res.loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(res.loss.item())
+            cache = res.past_key_values
+            out[once] = {"losses": losses, "seen": list(seen)}
+            if family == "t5":
+                out[once]["cache"] = {"self": layers(cache.self_attention_cache),
+                                      "cross": layers(cache.cross_attention_cache), "updated": dict(cache.is_updated)}
+            else:
+                out[once]["cache"] = layers(cache)
+        return out
     finally:
         tbo.inline = inline

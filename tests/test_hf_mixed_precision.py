@@ -101,14 +101,22 @@ def test_floating_inputs_are_cast_before_the_forward_as_fsdp2_casts_them():
         assert got["losses"][0] - got["losses"][-1] > LEARNS, (rank, res)
 
 
-def test_the_default_kv_cache_call_keeps_one_region_per_block_class():
-    """`model(input_ids=, labels=)` with the config's `use_cache=True` hands every decoder layer a DynamicCache;
-    an empty one is recorded inside the block's region and filled after it (dtensor_params._empty_cache_call): the
-    4 layers are 4 calls of one region, the losses equal those of the blocks traced inline with the cache
-    (trace_blocks_once: false), and the returned cache holds every layer's keys."""
-    region, inline = (run_world(2, hf_workers.use_cache_run, once, timeout=300) for once in (True, False))
-    for rank, (got, ref) in enumerate(zip(region, inline)):
-        assert got["seen"] and all(s == (4, 1) for s in got["seen"]), (rank, got["seen"])
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_the_default_kv_cache_call_keeps_one_region_per_block_class(family):
+    """`model(input_ids=, labels=)` with the config's `use_cache=True` hands every decoder layer a DynamicCache (T5:
+    an EncoderDecoderCache of two); an empty one is recorded inside the block's region and filled after it
+    (dtensor_params._empty_cache_call): Llama's 4 layers are 4 calls of one region, T5's 2 repeated blocks per
+    stack 4 calls of two (its first blocks hold the relative position tables); the losses equal those of the
+    blocks traced inline with the cache (trace_blocks_once: false), and so does the returned cache, every layer's
+    keys and values (T5: self- and cross-attention, the cross-attention layers marked updated)."""
+    for rank, out in enumerate(run_world(2, hf_workers.use_cache_run, family, timeout=300)):
+        got, ref = out[True], out[False]
+        want = [(4, 1)] if family == "llama" else [(4, 2)]
+        assert got["seen"] and all(s == want[0] for s in got["seen"]) and not ref["seen"], (rank, got, ref)
         assert got["losses"] == ref["losses"], (rank, got["losses"], ref["losses"])
-        assert got["cache"] == ref["cache"] == [(hf_workers.MICRO, 2, hf_workers.SEQ, 16)] * 4, (rank, got, ref)
-        assert got["stored"] == ref["stored"], (rank, got["stored"], ref["stored"])
+        assert got["cache"] == ref["cache"], (rank, got["cache"], ref["cache"])
+        shape = (hf_workers.MICRO, 2 if family == "llama" else 4, hf_workers.SEQ, 16)
+        layers = [got["cache"]] if family == "llama" else [got["cache"]["self"], got["cache"]["cross"]]
+        assert all([s for s, _, _ in layer] == [shape] * (4 if family == "llama" else 3) for layer in layers), got
+        if family == "t5":
+            assert got["cache"]["updated"] == {i: True for i in range(3)}, got["cache"]["updated"]

@@ -305,6 +305,57 @@ class LoopBreakGPT(GPT):
         return GPTOutput(logits, loss)
 
 
+def skipped_top_frame(rank: int, world: int) -> dict:
+    """A model whose forward breaks the graph inside its loop, under bf16 mixed precision: compiled first (dynamo
+    starts its frame, zcompile shards it, then dynamo gives the frame up and marks its code skipped); a second model
+    of the class compiled in the same process (dynamo never starts its frame, only the blocks'); a third sharded with
+    zcompile.shard_parameters before its first forward. Each one's losses, or its error's type and message."""
+    config = {"stage": 3, "backend": "eager", "mixed_precision": {"param_dtype": "bf16"}}
+    reset_dynamo()
+    out = {}
+    for case in ("first", "second", "sharded first"):
+        model = build_model("gpt_loop_break")
+        if case == "sharded first":
+            zcompile.shard_parameters(model, config)
+        compiled = torch.compile(model, backend="zero", options={"config": config})
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        try:
+            out[case] = train(rank, world, "gpt_loop_break", config, 2, model=compiled, opt=opt)[2]
+        except Exception as e:
+            out[case] = (type(e).__name__, str(e))
+    return out
+
+
+def plain_in_eager_code(rank: int, world: int) -> dict:
+    """Parameters nothing sharded, used in eager code, at stage 3: LoopBreakGPT compiled first after a bare
+    torch._dynamo.reset() (no compile-start hook: dynamo gives the forward up before anything shards it), then a
+    GPT of which only the first block is compiled (the rest eager). Each case's error: where it came (forward or
+    step) and its message."""
+    config = {"stage": 3, "backend": "eager"}
+    out = {}
+    for case in ("after a bare reset", "one block compiled"):
+        if case == "after a bare reset":
+            torch._dynamo.reset()
+            model = build_model("gpt_loop_break")
+            run = torch.compile(model, backend="zero", options={"config": config})
+        else:
+            reset_dynamo()
+            model = run = build_model("gpt")
+            model.blocks[0] = torch.compile(model.blocks[0], backend="zero", options={"config": config})
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        where = "forward"
+        try:
+            loss = loss_of(run, "gpt", rank_slice(global_batch(0, world), rank, world))
+            where = "backward"
+            loss.backward()
+            where = "step"
+            opt.step()
+            out[case] = None
+        except Exception as e:
+            out[case] = (where, str(e))
+    return out
+
+
 def eager_step_after_compile(rank: int, world: int, stage: int) -> float:
     """A forward dynamo runs eagerly (force_eager here; a recompile limit or torch.compiler.disable in real code)
     reduces its gradients like the compiled graph: the module's DTensor parameters gather when read in a forward.

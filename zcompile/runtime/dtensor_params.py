@@ -24,6 +24,7 @@ import copy
 import copyreg
 import functools
 import itertools
+import sys
 import threading
 import warnings
 import weakref
@@ -43,6 +44,7 @@ _forward = threading.local()  # depth of eager forwards of modules holding DTens
 # module -> {parameter name: weakref to its ShardedParam}. Weak both ways: a module in a reference cycle (dynamo's
 # tracer state can hold one until the next garbage collection) must not keep its shards alive one collection longer.
 _OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ROOTS: weakref.WeakSet = weakref.WeakSet()  # modules shard_model ran on (prepared)
 # A graph reads the storage of the parameters it was compiled for, not the DTensors dynamo passes it, so it must not
 # be reused for another module instance of the same class (a second model, a deep copy), which dynamo's guards on
 # types and tensor metadata allow: each module holding DTensor parameters carries its own number, which the
@@ -199,6 +201,7 @@ def shard_model(root: nn.Module, cfg, ctx) -> int:
     Returns how many parameters were replaced (given a token at stage 0)."""
     from functools import partial
     register = partial(shard_store.register_for, cfg, ctx)
+    _ROOTS.add(root)
     if cfg.mixed_precision.enabled and cfg.mixed_precision.cast_forward_inputs:
         cast_forward_inputs(root, cfg.mixed_precision.param_dtype)
     if cfg.stage == Stage.DDP:
@@ -207,6 +210,11 @@ def shard_model(root: nn.Module, cfg, ctx) -> int:
     if count and cfg.trace_blocks_once and trace_once_supported():
         mark_blocks(root)
     return count
+
+
+def prepared(root: nn.Module) -> bool:
+    """shard_model ran on `root` (its forward, traced or eager, reads zcompile's parameters)."""
+    return root in _ROOTS
 
 
 def cast_forward_inputs(root: nn.Module, dtype: torch.dtype) -> None:
@@ -584,6 +592,7 @@ def mark_blocks(root: nn.Module) -> int:
     properties; again after it sharded more of them (adapters added later). Returns how many blocks are marked.
     A block gets a subclass (one per class) whose forward calls the class's own as a nested compile region."""
     count = 0
+    _define_encoder_decoder_recorder()
     for block in repeated_blocks(root):
         members = {path: m for path, m in block.named_modules() if getattr(type(m), "_zc_param_names", None)}
         if not members:
@@ -615,19 +624,21 @@ def _marked_class(cls: type) -> type:
 def _region_body(forward):
     """The block's forward as a region: an output that is one of its inputs (T5's position bias, computed by the
     first block and handed on by the others) leaves as a copy, since a region's outputs may not alias its inputs.
-    Called with `_zc_record_cache=<keyword>` (an empty KV cache, `_empty_cache_call`), that keyword gets a
-    `_KVRecorder` made inside the region, which also returns the keys and values it recorded."""
+    Called with `_zc_record_cache=<keyword>` (an empty KV cache, `_empty_cache_call`), that keyword gets a recorder
+    made inside the region (`_zc_record_pair`: of an encoder-decoder cache), whose recorded keys and values the
+    region also returns."""
     @functools.wraps(forward)
     def body(self, *args, **kwargs):
         record = kwargs.pop("_zc_record_cache", None)  # the keyword of an empty KV cache (_empty_cache_call)
+        pair = kwargs.pop("_zc_record_pair", False)
         if record is not None:
-            recorder = _KVRecorder()
+            recorder = _ENCODER_DECODER_RECORDER() if pair else _KVRecorder()
             kwargs[record] = recorder
         out = forward(self, *args, **kwargs)
         inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out = torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: t.clone() if any(t is i for i in inputs) else t, out)
-        return out if record is None else (out, recorder.keys, recorder.values)
+        return out if record is None else (out, recorder.recorded())
     return body
 
 
@@ -646,6 +657,48 @@ class _KVRecorder:
     def get_seq_length(self, layer_idx=0) -> int:
         return 0
 
+    def recorded(self) -> tuple:
+        return self.keys, self.values
+
+
+_ENCODER_DECODER_RECORDER: type | None = None  # made by mark_blocks where transformers is imported (below)
+
+
+def _define_encoder_decoder_recorder() -> None:
+    """The recorder for an empty encoder-decoder cache (T5, BART, Whisper): an EncoderDecoderCache, since their
+    attention picks the self- or cross-attention cache by that type, holding a `_KVRecorder` for each. Defined
+    outside any trace (dynamo cannot trace a class statement), once transformers' caches are imported."""
+    global _ENCODER_DECODER_RECORDER
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if _ENCODER_DECODER_RECORDER is not None or cache_utils is None:
+        return
+
+    class _EncoderDecoderRecorder(cache_utils.EncoderDecoderCache):
+        def __init__(self):  # nothing stored: the outer forward writes the real cache after the region
+            self.self_attention_cache, self.cross_attention_cache, self.is_updated = _KVRecorder(), _KVRecorder(), {}
+
+        def get_seq_length(self, layer_idx=0) -> int:
+            return 0
+
+        def recorded(self) -> tuple:
+            return self.self_attention_cache.recorded() + self.cross_attention_cache.recorded()
+    _ENCODER_DECODER_RECORDER = _EncoderDecoderRecorder
+
+
+def _write_recorded(cache, idx: int, recorded: tuple) -> None:
+    """Store what a block's region recorded for layer `idx` into the real cache, as the block's own updates would
+    have: self-attention keys and values, then (an encoder-decoder cache) the cross-attention ones, marked updated
+    so the next decoding step reuses them."""
+    if len(recorded) == 2:
+        if recorded[0] is not None:
+            cache.update(recorded[0], recorded[1], idx)
+        return
+    if recorded[0] is not None:
+        cache.self_attention_cache.update(recorded[0], recorded[1], idx)
+    if recorded[2] is not None:
+        cache.cross_attention_cache.update(recorded[2], recorded[3], idx)
+        cache.is_updated[idx] = True
+
 
 _WARNED_INLINE: set = set()  # (block class, what it was given) warned about once per process
 
@@ -656,25 +709,38 @@ def _warn_inline(block: str, held: str) -> bool:
     if (block, held) not in _WARNED_INLINE:
         _WARNED_INLINE.add((block, held))
         warnings.warn(f"zcompile: {block} is called with {held}, which a block's region cannot hold (only an empty "
-                      "Hugging Face DynamicCache can be): those calls are traced inline, so compile time grows with "
-                      "depth; in training pass use_cache=False", stacklevel=2)
+                      "Hugging Face DynamicCache or EncoderDecoderCache can be): those calls are traced inline, so "
+                      "compile time grows with depth; in training pass use_cache=False", stacklevel=2)
     return True
 
 
 def _empty_cache_call(block: nn.Module, args, kwargs) -> tuple | None:
-    """(keyword, cache, layer index) when a block's only input that is not a value is a Hugging Face DynamicCache
-    keyword argument with nothing stored for this block yet (a training forward with the config's default
-    `use_cache=True`, the prefill of `generate`); None otherwise (the block is then traced inline)."""
+    """(keyword, cache, layer index) when a block's only input that is not a value is a Hugging Face DynamicCache,
+    or an EncoderDecoderCache of two, keyword argument with nothing stored for this block yet (a training forward
+    with the config's default `use_cache=True`, the prefill of `generate`); None otherwise (the block is then traced
+    inline)."""
     names = [k for k, v in kwargs.items() if not _values_only(v)]
     if len(names) != 1 or not _values_only(args):
         return None
     cache = kwargs[names[0]]
-    if type(cache).__name__ != "DynamicCache" or not type(cache).__module__.startswith("transformers"):
-        return None
     idx = next((m.layer_idx for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
-    if idx is None or cache.get_seq_length(idx) != 0:
+    if idx is None:
+        return None
+    if _hf_cache(cache, "EncoderDecoderCache"):
+        if _ENCODER_DECODER_RECORDER is None:
+            return None
+        parts = (getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None))
+        if not all(_hf_cache(c, "DynamicCache") and c.get_seq_length(idx) == 0 for c in parts) or \
+                cache.is_updated.get(idx):
+            return None
+    elif not _hf_cache(cache, "DynamicCache") or cache.get_seq_length(idx) != 0:
         return None
     return names[0], cache, idx
+
+
+def _hf_cache(cache, name: str) -> bool:
+    """`cache` is transformers' own class `name` (a subclass may store or read differently)."""
+    return type(cache).__name__ == name and type(cache).__module__.startswith("transformers")
 
 
 def _outer_forward(self, *args, **kwargs):
@@ -695,9 +761,11 @@ def _outer_forward(self, *args, **kwargs):
                 _warn_inline(type(self).__qualname__, ", ".join(held))
             return type(self)._zc_inline(self, *args, **kwargs)
         name, cache, idx = found
-        out, keys, values = type(self)._zc_region(self, *args, **{**kwargs, name: None, "_zc_record_cache": name})
-        if keys is not None:
-            cache.update(keys, values, idx)
+        record = {name: None, "_zc_record_cache": name}
+        if _hf_cache(cache, "EncoderDecoderCache"):
+            record["_zc_record_pair"] = True
+        out, recorded = type(self)._zc_region(self, *args, **{**kwargs, **record})
+        _write_recorded(cache, idx, recorded)
         return out
     return type(self)._zc_region(self, *args, **kwargs)
 

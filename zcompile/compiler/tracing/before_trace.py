@@ -32,19 +32,23 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import types
 
 import torch
 import torch.nn as nn
 from torch._dynamo import convert_frame
+from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import UncapturedHigherOrderOpError
 
 from zcompile import config as zconfig
 from zcompile.compiler.tracing import warmup
-from zcompile.errors import reported_as_zcompile_errors
+from zcompile.errors import ZCompileError, reported_as_zcompile_errors
 from zcompile.runtime import dtensor_params
 from zcompile.runtime.dist_context import DistContext, set_group_timeout
 
 _LOOK_UP = 12  # frames between the callback and dynamo's _compile: 6 on torch 2.11 and 2.13
+_LOOK_UP_CALLER = 64  # frames between dynamo's _compile and the torch.compile'd module's call
+_OPTIMIZED_CALL = OptimizedModule.__call__.__code__
 # per dynamo compile in progress: (the frame's modules if it compiles for the zero backend, else None; whether
 # its start turned the collector off; dynamo's ignore_logger_methods to restore at its end, or None)
 _compiles: list[tuple[list | None, bool, set | None]] = []
@@ -67,13 +71,14 @@ def _on_start(_args) -> None:
     if found is None:
         _compiles.append((None, False, None))  # start and end come in pairs, for any backend
         return
-    options, frame_locals = found
+    options, frame_locals, compiling = found
     values = list(frame_locals.values())
     values += [v for t in values if isinstance(t, tuple) for v in t]  # `*args` of a decorated forward: (self, ...)
     modules = [m for m in map(_module_of, values) if m is not None]
     _compiles.append((modules, gc.isenabled(), _ignore_once_warnings()))
     gc.disable()
     dtensor_params.zero_trace_started()
+    _refuse_skipped_root(options, compiling, modules)
     _shard_modules(options, modules)
     _cast_first_inputs(frame_locals)
 
@@ -161,9 +166,9 @@ def prepare(cfg: zconfig.Config, ctx: DistContext) -> None:
     set_group_timeout(ctx, cfg.collective_timeout_s)
 
 
-def _zero_frame(frame) -> tuple[dict | None, dict] | None:
-    """(torch.compile's options, the locals of the frame dynamo compiles) when dynamo's `_compile` up the stack
-    compiles for the zero backend; None otherwise."""
+def _zero_frame(frame) -> tuple[dict | None, dict, types.FrameType] | None:
+    """(torch.compile's options, the locals of the frame dynamo compiles, dynamo's `_compile` frame) when that
+    frame up the stack compiles for the zero backend; None otherwise."""
     code = getattr(getattr(convert_frame, "_compile", None), "__code__", None)
     for _ in range(_LOOK_UP):
         if frame is None or code is None:
@@ -178,7 +183,70 @@ def _zero_frame(frame) -> tuple[dict | None, dict] | None:
     backend = getattr(wrapper, "compiler_fn", None)
     if getattr(backend, "zcompile_backend", False) is not True or not isinstance(names.get("locals"), dict):
         return None
-    return getattr(wrapper, "kwargs", {}).get("options"), names["locals"]
+    return getattr(wrapper, "kwargs", {}).get("options"), names["locals"], frame
+
+
+def _compile_wrapper(callback):
+    """torch.compile's backend wrapper at the end of dynamo's chain of wrapped callbacks."""
+    for _ in range(8):
+        inner = getattr(callback, "_torchdynamo_orig_backend", None)
+        if inner is None:
+            return callback
+        callback = inner
+    return None
+
+
+def _refuse_skipped_root(options: dict | None, compiling: types.FrameType, modules: list[nn.Module]) -> None:
+    """A frame compiled inside the module given to torch.compile that nothing sharded: dynamo never started that
+    module's forward (its code is skipped: torch.compiler.disable, or marked by an earlier compile in the process
+    that could not trace it), or gave it up before the module was sharded (a graph break in a loop after a bare
+    torch._dynamo.reset(), torch 2.11). That forward runs eagerly on plain parameters beside submodules compiled
+    with sharded ones: under mixed_precision its first matmul fails on bf16 activations and fp32 weights, otherwise
+    the step refuses the unreduced gradients. Say why, at the first call."""
+    try:
+        root = _skipped_root(compiling, modules)
+    except Exception:  # another torch's frame layout: the step's check remains
+        return
+    if root is None:
+        return
+    try:
+        cfg = zconfig.frozen(options)
+    except (zconfig.ConfigError, RuntimeError, ValueError):
+        return  # the backend raises it with its context
+    if not dtensor_params.rewrites_modules(cfg):
+        return  # nothing is sharded: the optimizer step refuses the gradients eager code left unreduced
+    inner = getattr(compiling.f_locals.get("code"), "co_qualname", "a function")
+    outer = type(root).__name__
+    raise ZCompileError(
+        f"dynamo compiles {inner} inside {outer}, the module given to torch.compile(..., backend='zero'), but "
+        f"{outer}'s own forward runs eagerly on parameters zcompile has not sharded, beside submodules compiled with "
+        f"sharded ones: dynamo never traced that forward for zcompile (its code is skipped: torch.compiler.disable, "
+        "or an earlier compile in this process that could not trace it, such as FSDP2 + torch.compile of the same "
+        "class), or gave it up (a graph break it cannot resume from, e.g. in a loop) before zcompile could shard the "
+        "model (the first compile after a bare torch._dynamo.reset(), or torch < 2.13). Call "
+        "zcompile.shard_parameters(model, config) before the first forward (the forward then runs eagerly on the "
+        "DTensor parameters, as under FSDP2).")
+
+
+def _skipped_root(compiling: types.FrameType, modules: list[nn.Module]) -> nn.Module | None:
+    """The module of the torch.compile'd call up the stack, compiled by the same backend as `compiling`, when it
+    is not one of the frame's `modules` and shard_model never ran on it."""
+    frame = compiling.f_back
+    for _ in range(_LOOK_UP_CALLER):
+        if frame is None:
+            return None
+        if frame.f_code is _OPTIMIZED_CALL:
+            break
+        frame = frame.f_back
+    else:
+        return None
+    compiled = frame.f_locals.get("self")
+    root = getattr(compiled, "_orig_mod", None)
+    if not isinstance(root, nn.Module) or any(m is root for m in modules) or dtensor_params.prepared(root):
+        return None
+    ours = _compile_wrapper(compiling.f_locals.get("compiler_fn"))
+    theirs = _compile_wrapper(getattr(getattr(compiled, "dynamo_ctx", None), "callback", None))
+    return root if ours is not None and ours is theirs else None
 
 
 def _module_of(value) -> nn.Module | None:
