@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tests import workers
-from tests.harness import WorkerFailed, run_world
+from tests.harness import run_world
 from zcompile.runtime import dtensor_params
 
 TOL = 1e-5
@@ -139,8 +139,8 @@ def test_blocks_left_to_eager_code_train_like_the_reference():
 
 def test_parameters_left_plain_in_eager_code_are_an_error_not_silent_drift():
     """Where nothing shards them before dynamo gives the frame up (the first compile after a bare
-    torch._dynamo.reset(), which drops zcompile's compile-start hook; torch 2.11), the parameters stay plain: the
-    first compile inside the model says so on every rank, naming zcompile.shard_parameters
+    torch._dynamo.reset(), which drops zcompile's compile-start hook), the parameters stay plain: the first compile
+    inside the model the hook sees says so on every rank, naming zcompile.shard_parameters
     (before_trace._refuse_skipped_root). With only a submodule compiled, the optimizer step refuses the gradients
     eager code left unreduced. Either way, instead of letting the ranks drift apart."""
     for rank, out in enumerate(run_world(2, workers.plain_in_eager_code)):

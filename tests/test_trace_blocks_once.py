@@ -219,3 +219,26 @@ def test_a_user_marked_region_is_inlined_and_its_parameters_sharded():
     (message,) = run_world(1, _compile_marked_blocks)
     assert message == "compiled", message
 
+
+
+def test_an_empty_kv_cache_is_recorded_only_for_a_block_with_one_layer_index():
+    """dtensor_params._empty_cache_call: a block's region records one layer's keys and values, so a block whose
+    attentions write two layers of the cache (LongcatFlash's two per block) is traced inline; an empty
+    EncoderDecoderCache is recorded until its layer is marked updated (a later decoding step reuses it)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    class Attention(torch.nn.Module):
+        def __init__(self, layer_idx):
+            super().__init__()
+            self.layer_idx = layer_idx
+
+    one, two = torch.nn.ModuleList([Attention(3)]), torch.nn.ModuleList([Attention(2), Attention(3)])
+    x = torch.zeros(1)
+    cache = DynamicCache()
+    assert dtensor_params._empty_cache_call(one, (x,), {"cache": cache}) == ("cache", cache, 3)
+    assert dtensor_params._empty_cache_call(two, (x,), {"cache": cache}) is None
+    dtensor_params._define_encoder_decoder_recorder()
+    pair = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    assert dtensor_params._empty_cache_call(one, (x,), {"cache": pair}) == ("cache", pair, 3)
+    pair.is_updated[3] = True
+    assert dtensor_params._empty_cache_call(one, (x,), {"cache": pair}) is None

@@ -305,19 +305,33 @@ class LoopBreakGPT(GPT):
         return GPTOutput(logits, loss)
 
 
+class _SkippedWrapper(torch.nn.Module):
+    """A module around a model whose own forward dynamo skips (torch.compiler.disable, not recursive)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    @torch.compiler.disable(recursive=False)
+    def forward(self, idx, targets=None):
+        return self.model(idx, targets)
+
+
 def skipped_top_frame(rank: int, world: int) -> dict:
     """A model whose forward breaks the graph inside its loop, under bf16 mixed precision: compiled first (dynamo
     starts its frame, zcompile shards it, then dynamo gives the frame up and marks its code skipped); a second model
     of the class compiled in the same process (dynamo never starts its frame, only the blocks'); a third sharded with
-    zcompile.shard_parameters before its first forward. Each one's losses, or its error's type and message."""
+    zcompile.shard_parameters before its first forward; a fourth so sharded, compiled inside a wrapper whose own
+    forward dynamo skips too. Each one's losses, or its error's type and message."""
     config = {"stage": 3, "backend": "eager", "mixed_precision": {"param_dtype": "bf16"}}
     reset_dynamo()
     out = {}
-    for case in ("first", "second", "sharded first"):
+    for case in ("first", "second", "sharded first", "a wrapper of one sharded first"):
         model = build_model("gpt_loop_break")
-        if case == "sharded first":
+        if case != "first" and case != "second":
             zcompile.shard_parameters(model, config)
-        compiled = torch.compile(model, backend="zero", options={"config": config})
+        root = _SkippedWrapper(model) if case.startswith("a wrapper") else model
+        compiled = torch.compile(root, backend="zero", options={"config": config})
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
         try:
             out[case] = train(rank, world, "gpt_loop_break", config, 2, model=compiled, opt=opt)[2]

@@ -44,7 +44,7 @@ _forward = threading.local()  # depth of eager forwards of modules holding DTens
 # module -> {parameter name: weakref to its ShardedParam}. Weak both ways: a module in a reference cycle (dynamo's
 # tracer state can hold one until the next garbage collection) must not keep its shards alive one collection longer.
 _OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ROOTS: weakref.WeakSet = weakref.WeakSet()  # modules shard_model ran on (prepared)
+_PREPARED: weakref.WeakSet = weakref.WeakSet()  # every module of a tree shard_model ran on (prepared)
 # A graph reads the storage of the parameters it was compiled for, not the DTensors dynamo passes it, so it must not
 # be reused for another module instance of the same class (a second model, a deep copy), which dynamo's guards on
 # types and tensor metadata allow: each module holding DTensor parameters carries its own number, which the
@@ -201,20 +201,22 @@ def shard_model(root: nn.Module, cfg, ctx) -> int:
     Returns how many parameters were replaced (given a token at stage 0)."""
     from functools import partial
     register = partial(shard_store.register_for, cfg, ctx)
-    _ROOTS.add(root)
     if cfg.mixed_precision.enabled and cfg.mixed_precision.cast_forward_inputs:
         cast_forward_inputs(root, cfg.mixed_precision.param_dtype)
     if cfg.stage == Stage.DDP:
-        return token_module(root, register)
-    count = shard_module(root, register, ctx, cfg.collective_timeout_s)
-    if count and cfg.trace_blocks_once and trace_once_supported():
-        mark_blocks(root)
+        count = token_module(root, register)
+    else:
+        count = shard_module(root, register, ctx, cfg.collective_timeout_s)
+        if count and cfg.trace_blocks_once and trace_once_supported():
+            mark_blocks(root)
+    _PREPARED.update(root.modules())
     return count
 
 
 def prepared(root: nn.Module) -> bool:
-    """shard_model ran on `root` (its forward, traced or eager, reads zcompile's parameters)."""
-    return root in _ROOTS
+    """shard_model ran on `root`, or on a tree holding each of its modules that has parameters (a wrapper around a
+    model given to zcompile.shard_parameters): its forward, traced or eager, reads zcompile's parameters."""
+    return root in _PREPARED or all(m in _PREPARED for m in root.modules() if m._parameters)
 
 
 def cast_forward_inputs(root: nn.Module, dtype: torch.dtype) -> None:
@@ -677,9 +679,6 @@ def _define_encoder_decoder_recorder() -> None:
         def __init__(self):  # nothing stored: the outer forward writes the real cache after the region
             self.self_attention_cache, self.cross_attention_cache, self.is_updated = _KVRecorder(), _KVRecorder(), {}
 
-        def get_seq_length(self, layer_idx=0) -> int:
-            return 0
-
         def recorded(self) -> tuple:
             return self.self_attention_cache.recorded() + self.cross_attention_cache.recorded()
     _ENCODER_DECODER_RECORDER = _EncoderDecoderRecorder
@@ -687,8 +686,9 @@ def _define_encoder_decoder_recorder() -> None:
 
 def _write_recorded(cache, idx: int, recorded: tuple) -> None:
     """Store what a block's region recorded for layer `idx` into the real cache, as the block's own updates would
-    have: self-attention keys and values, then (an encoder-decoder cache) the cross-attention ones, marked updated
-    so the next decoding step reuses them."""
+    have: keys and values (a DynamicCache's recorder returns that pair), or, an encoder-decoder cache's four,
+    self-attention ones first, then cross-attention ones, the layer marked updated so the next decoding step
+    reuses them."""
     if len(recorded) == 2:
         if recorded[0] is not None:
             cache.update(recorded[0], recorded[1], idx)
@@ -715,17 +715,19 @@ def _warn_inline(block: str, held: str) -> bool:
 
 
 def _empty_cache_call(block: nn.Module, args, kwargs) -> tuple | None:
-    """(keyword, cache, layer index) when a block's only input that is not a value is a Hugging Face DynamicCache,
-    or an EncoderDecoderCache of two, keyword argument with nothing stored for this block yet (a training forward
-    with the config's default `use_cache=True`, the prefill of `generate`); None otherwise (the block is then traced
-    inline)."""
+    """(keyword, cache, layer index) when a block's only input that is not a value is a keyword argument holding a
+    Hugging Face DynamicCache, or an EncoderDecoderCache of two DynamicCaches, with nothing stored for this block
+    yet (a training forward with the config's default `use_cache=True`, the prefill of `generate`), and the block's
+    attentions use one layer index (a recorder keeps one layer's keys and values); None otherwise (the block is then
+    traced inline)."""
     names = [k for k, v in kwargs.items() if not _values_only(v)]
     if len(names) != 1 or not _values_only(args):
         return None
     cache = kwargs[names[0]]
-    idx = next((m.layer_idx for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
-    if idx is None:
+    layers = {m.layer_idx for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    if len(layers) != 1:  # e.g. two attentions with their own layers of the cache in one block
         return None
+    (idx,) = layers
     if _hf_cache(cache, "EncoderDecoderCache"):
         if _ENCODER_DECODER_RECORDER is None:
             return None
@@ -777,7 +779,7 @@ def _values_only(tree) -> bool:
     """A region is a function of its inputs: an object a block may write to (a Hugging Face KV `Cache`, which the
     attention updates) is state outside it, which a nested compile region cannot write where the state aliases an
     input (dynamo: "an intermediate tensor ... aliases an input or output"). Such a call is traced inline, except
-    with an empty Hugging Face DynamicCache (`_empty_cache_call`)."""
+    with an empty Hugging Face DynamicCache or EncoderDecoderCache (`_empty_cache_call`)."""
     return all(isinstance(leaf, _VALUES) for leaf in torch.utils._pytree.tree_leaves(tree))
 
 

@@ -17,6 +17,9 @@
   methods a user lists there; the warning is not printed. Other backends' traces are left as they were.
 - **Say what to do when a traced-once block holds a graph break**: dynamo refuses to split the nested compile
   region (UncapturedHigherOrderOpError); the end callback adds a note naming zcompile's way out.
+- **Refuse a compile under a forward dynamo skipped**: a frame compiled inside the module given to
+  torch.compile whose own forward never started a zero-backend compile (its code skipped) and that nothing
+  sharded would have that forward run eagerly on plain parameters; the error names zcompile.shard_parameters.
 
 torch.compile calls a backend only after a trace, so this uses dynamo's compile start and end callbacks
 (torch._dynamo.callback_handler) and finds the frame and its backend in dynamo's `_compile` frame up the stack
@@ -33,6 +36,7 @@ import gc
 import logging
 import sys
 import types
+import weakref
 
 import torch
 import torch.nn as nn
@@ -48,17 +52,26 @@ from zcompile.runtime.dist_context import DistContext, set_group_timeout
 
 _LOOK_UP = 12  # frames between the callback and dynamo's _compile: 6 on torch 2.11 and 2.13
 _LOOK_UP_CALLER = 64  # frames between dynamo's _compile and the torch.compile'd module's call
-_OPTIMIZED_CALL = OptimizedModule.__call__.__code__
+# torch.compile(module)'s call, where a frame compiled inside the module finds it (None: not overridden in this torch)
+_OPTIMIZED_CALL = getattr(OptimizedModule.__dict__.get("__call__"), "__code__", None)
+_STARTED: weakref.WeakSet = weakref.WeakSet()  # modules of the frames dynamo started compiling for the zero backend
 # per dynamo compile in progress: (the frame's modules if it compiles for the zero backend, else None; whether
 # its start turned the collector off; dynamo's ignore_logger_methods to restore at its end, or None)
 _compiles: list[tuple[list | None, bool, set | None]] = []
 
 
 def register() -> None:
-    """Install the callbacks once (again after torch._dynamo.reset() removed them)."""
+    """Install the callbacks once (again after torch._dynamo.reset() removed them). Called by the backend inside a
+    compile whose start the callback missed: that frame's modules count as started (_refuse_skipped_root)."""
     handler = torch._dynamo.callback_handler
     if _on_start not in handler.start_callbacks:
         handler.register_start_callback(_on_start)
+        try:
+            found = _zero_frame(sys._getframe(1), _LOOK_UP_CALLER)
+        except Exception:
+            found = None
+        if found is not None:
+            _STARTED.update(_frame_modules(found[1]))
     if _on_end not in handler.end_callbacks:
         handler.register_end_callback(_on_end)
 
@@ -72,13 +85,12 @@ def _on_start(_args) -> None:
         _compiles.append((None, False, None))  # start and end come in pairs, for any backend
         return
     options, frame_locals, compiling = found
-    values = list(frame_locals.values())
-    values += [v for t in values if isinstance(t, tuple) for v in t]  # `*args` of a decorated forward: (self, ...)
-    modules = [m for m in map(_module_of, values) if m is not None]
+    modules = _frame_modules(frame_locals)
     _compiles.append((modules, gc.isenabled(), _ignore_once_warnings()))
     gc.disable()
     dtensor_params.zero_trace_started()
     _refuse_skipped_root(options, compiling, modules)
+    _STARTED.update(modules)
     _shard_modules(options, modules)
     _cast_first_inputs(frame_locals)
 
@@ -166,11 +178,11 @@ def prepare(cfg: zconfig.Config, ctx: DistContext) -> None:
     set_group_timeout(ctx, cfg.collective_timeout_s)
 
 
-def _zero_frame(frame) -> tuple[dict | None, dict, types.FrameType] | None:
+def _zero_frame(frame, look_up: int = _LOOK_UP) -> tuple[dict | None, dict, types.FrameType] | None:
     """(torch.compile's options, the locals of the frame dynamo compiles, dynamo's `_compile` frame) when that
-    frame up the stack compiles for the zero backend; None otherwise."""
+    frame, at most `look_up` frames up the stack, compiles for the zero backend; None otherwise."""
     code = getattr(getattr(convert_frame, "_compile", None), "__code__", None)
-    for _ in range(_LOOK_UP):
+    for _ in range(look_up):
         if frame is None or code is None:
             return None
         if frame.f_code is code:
@@ -197,12 +209,13 @@ def _compile_wrapper(callback):
 
 
 def _refuse_skipped_root(options: dict | None, compiling: types.FrameType, modules: list[nn.Module]) -> None:
-    """A frame compiled inside the module given to torch.compile that nothing sharded: dynamo never started that
-    module's forward (its code is skipped: torch.compiler.disable, or marked by an earlier compile in the process
-    that could not trace it), or gave it up before the module was sharded (a graph break in a loop after a bare
-    torch._dynamo.reset(), torch 2.11). That forward runs eagerly on plain parameters beside submodules compiled
-    with sharded ones: under mixed_precision its first matmul fails on bf16 activations and fp32 weights, otherwise
-    the step refuses the unreduced gradients. Say why, at the first call."""
+    """A frame compiled inside the module given to torch.compile whose own forward dynamo never started to compile
+    (its code is skipped: torch.compiler.disable, or marked by an earlier compile in the process that could not
+    trace it, e.g. FSDP2's hooks) and that nothing sharded: that forward runs eagerly on plain parameters beside
+    submodules compiled with sharded ones (under mixed_precision its first matmul fails on bf16 activations and
+    fp32 weights, otherwise the step refuses the unreduced gradients). Say why, at the first call. A forward whose
+    compile started (and gave up: a graph break in a loop) is left to the step's check: its frame may still shard
+    the model (a resume function), and on torch 2.11 the backend's restart path shards it, not this hook."""
     try:
         root = _skipped_root(compiling, modules)
     except Exception:  # another torch's frame layout: the step's check remains
@@ -218,22 +231,22 @@ def _refuse_skipped_root(options: dict | None, compiling: types.FrameType, modul
     inner = getattr(compiling.f_locals.get("code"), "co_qualname", "a function")
     outer = type(root).__name__
     raise ZCompileError(
-        f"dynamo compiles {inner} inside {outer}, the module given to torch.compile(..., backend='zero'), but "
-        f"{outer}'s own forward runs eagerly on parameters zcompile has not sharded, beside submodules compiled with "
-        f"sharded ones: dynamo never traced that forward for zcompile (its code is skipped: torch.compiler.disable, "
-        "or an earlier compile in this process that could not trace it, such as FSDP2 + torch.compile of the same "
-        "class), or gave it up (a graph break it cannot resume from, e.g. in a loop) before zcompile could shard the "
-        "model (the first compile after a bare torch._dynamo.reset(), or torch < 2.13). Call "
-        "zcompile.shard_parameters(model, config) before the first forward (the forward then runs eagerly on the "
-        "DTensor parameters, as under FSDP2).")
+        f"dynamo compiles {inner} inside {outer}, the module given to torch.compile(..., backend='zero'), but never "
+        f"started to compile {outer}'s own forward, which runs eagerly on parameters zcompile has not sharded, beside "
+        "submodules compiled with sharded ones: dynamo skips that code (torch.compiler.disable on it, or an earlier "
+        "compile in this process that could not trace it marked it skipped, such as FSDP2 + torch.compile of the "
+        "same class; or its compile started before zcompile's hook was back, after a bare torch._dynamo.reset()). "
+        "Call zcompile.shard_parameters(model, config) before the first forward: the forward then runs eagerly on "
+        "the DTensor parameters, as under FSDP2.")
 
 
 def _skipped_root(compiling: types.FrameType, modules: list[nn.Module]) -> nn.Module | None:
-    """The module of the torch.compile'd call up the stack, compiled by the same backend as `compiling`, when it
-    is not one of the frame's `modules` and shard_model never ran on it."""
+    """The module of the torch.compile(module) call up the stack whose compile `compiling` belongs to (the same
+    torch.compile wrapper), when it is not one of the frame's `modules`, no zero-backend compile of its own frame
+    started, and it is not prepared (dtensor_params.prepared)."""
     frame = compiling.f_back
     for _ in range(_LOOK_UP_CALLER):
-        if frame is None:
+        if frame is None or _OPTIMIZED_CALL is None:
             return None
         if frame.f_code is _OPTIMIZED_CALL:
             break
@@ -242,11 +255,18 @@ def _skipped_root(compiling: types.FrameType, modules: list[nn.Module]) -> nn.Mo
         return None
     compiled = frame.f_locals.get("self")
     root = getattr(compiled, "_orig_mod", None)
-    if not isinstance(root, nn.Module) or any(m is root for m in modules) or dtensor_params.prepared(root):
+    if (not isinstance(root, nn.Module) or any(m is root for m in modules) or root in _STARTED
+            or dtensor_params.prepared(root)):
         return None
     ours = _compile_wrapper(compiling.f_locals.get("compiler_fn"))
     theirs = _compile_wrapper(getattr(getattr(compiled, "dynamo_ctx", None), "callback", None))
     return root if ours is not None and ours is theirs else None
+
+
+def _frame_modules(frame_locals: dict) -> list[nn.Module]:
+    values = list(frame_locals.values())
+    values += [v for t in values if isinstance(t, tuple) for v in t]  # `*args` of a decorated forward: (self, ...)
+    return [m for m in map(_module_of, values) if m is not None]
 
 
 def _module_of(value) -> nn.Module | None:
