@@ -181,14 +181,8 @@ def prepare(cfg: zconfig.Config, ctx: DistContext) -> None:
 def _zero_frame(frame, look_up: int = _LOOK_UP) -> tuple[dict | None, dict, types.FrameType] | None:
     """(torch.compile's options, the locals of the frame dynamo compiles, dynamo's `_compile` frame) when that
     frame, at most `look_up` frames up the stack, compiles for the zero backend; None otherwise."""
-    code = getattr(getattr(convert_frame, "_compile", None), "__code__", None)
-    for _ in range(look_up):
-        if frame is None or code is None:
-            return None
-        if frame.f_code is code:
-            break
-        frame = frame.f_back
-    else:
+    frame = _frame_running(frame, getattr(getattr(convert_frame, "_compile", None), "__code__", None), look_up)
+    if frame is None:
         return None
     names = frame.f_locals
     wrapper = getattr(names.get("compiler_fn"), "_torchdynamo_orig_backend", None)  # torch.compile's wrapper
@@ -196,6 +190,18 @@ def _zero_frame(frame, look_up: int = _LOOK_UP) -> tuple[dict | None, dict, type
     if getattr(backend, "zcompile_backend", False) is not True or not isinstance(names.get("locals"), dict):
         return None
     return getattr(wrapper, "kwargs", {}).get("options"), names["locals"], frame
+
+
+def _frame_running(frame, code, look_up: int):
+    """The first of `frame` and at most `look_up` - 1 frames up from it that runs `code`; None if none does (or
+    `code` is None)."""
+    for _ in range(look_up):
+        if frame is None or code is None:
+            return None
+        if frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def _compile_wrapper(callback):
@@ -244,14 +250,8 @@ def _skipped_root(compiling: types.FrameType, modules: list[nn.Module]) -> nn.Mo
     """The module of the torch.compile(module) call up the stack whose compile `compiling` belongs to (the same
     torch.compile wrapper), when it is not one of the frame's `modules`, no zero-backend compile of its own frame
     started, and it is not prepared (dtensor_params.prepared)."""
-    frame = compiling.f_back
-    for _ in range(_LOOK_UP_CALLER):
-        if frame is None or _OPTIMIZED_CALL is None:
-            return None
-        if frame.f_code is _OPTIMIZED_CALL:
-            break
-        frame = frame.f_back
-    else:
+    frame = _frame_running(compiling.f_back, _OPTIMIZED_CALL, _LOOK_UP_CALLER)
+    if frame is None:
         return None
     compiled = frame.f_locals.get("self")
     root = getattr(compiled, "_orig_mod", None)
