@@ -77,18 +77,42 @@ def test_the_rewrite_recomputes_until_the_saved_bytes_fit():
     assert "recompute" in "".join(plan.report[1:])
 
 
-def test_the_partitioners_knapsack_is_tried_first():
-    """With the joint graph at hand, the largest knapsack fraction whose partition fits is taken (then bisected
-    toward the next larger one), and the report names it."""
-    p = _partition()
-    peak = _saved_bytes(p["fw"], p["n"])
-    min_cut = MinCut(p["joint"], p["inputs"], p["n"], lambda phase: contextlib.nullcontext(), **p["kw"])
+def _asking(min_cut):
+    """min_cut, recording the fractions asked for."""
     asked = []
 
     def spy(fraction=None):
         asked.append(fraction)
         return min_cut(fraction)
+    return spy, asked
+
+
+class _RewriteFitsNothing(ActivationSearch):
+    """The search where zcompile's rewrite of the partition it is handed finds no plan below the budget."""
+
+    def _rewrite_activations(self, fw, bw, budget):
+        if not getattr(self, "handed", False):
+            self.handed = True  # the partition's own rewrite, the first one asked for
+            chosen, seconds, _, every = super()._rewrite_activations(fw, bw, budget)
+            return chosen, seconds, float("inf"), every
+        return super()._rewrite_activations(fw, bw, budget)
+
+
+def test_the_rewrite_comes_first_and_the_knapsack_where_it_does_not_fit():
+    """With the joint graph at hand, zcompile's rewrite of the partition is tried first: where it fits, no
+    partition is asked for. Where it does not, the largest knapsack fraction whose partition fits is taken (then
+    bisected toward the next larger one), and the report names it."""
+    p = _partition()
+    peak = _saved_bytes(p["fw"], p["n"])
+    min_cut = MinCut(p["joint"], p["inputs"], p["n"], lambda phase: contextlib.nullcontext(), **p["kw"])
+    spy, asked = _asking(min_cut)
     plan = _search(_Measure(p["n"]), p["n"]).run(p["fw"], p["bw"], spy, peak - 1)
+    assert plan is not None and _saved_bytes(plan.forward, p["n"]) < peak and asked == []
+    assert "activation_memory_budget" not in plan.report[0] and "recompute" in plan.report[0], plan.report
+    spy, asked = _asking(min_cut)
+    search = _RewriteFitsNothing(_Measure(p["n"]), follows_code=False, cost=timeline.CostModel.cpu(),
+                                 num_fwd_outputs=p["n"], device=torch.device("cpu"), activation_min_bytes=0)
+    plan = search.run(p["fw"], p["bw"], spy, peak - 1)
     assert plan is not None and _saved_bytes(plan.forward, p["n"]) < peak
     assert asked[0] == activation_search.PARTITION_FRACTIONS[0]
     assert "activation_memory_budget" in plan.report[0], plan.report

@@ -52,11 +52,11 @@ class ActivationSearch:
         return self.measure(graphs, offload_saved, float("inf") if compiled else None, over)[1]
 
     def run(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut, budget: int) -> ActivationPlan | None:
-        """Recompute (or offload) saved activations until the step fits `budget`. First, where `min_cut(fraction)`
-        can partition the whole joint graph again, the partitioner's own recompute knapsack (_knapsack_partition);
-        where no fraction fits, zcompile's rewrite (_rewrite_activations: per saved activation keep, recompute or
-        offload, the cheapest per byte first), from the knapsack's partition that came closest, then, where that
-        does not fit, from `fw` and `bw`. The search plans from the FX graphs; where the code is followed, the
+        """Recompute (or offload) saved activations until the step fits `budget`. First zcompile's rewrite of `fw`
+        and `bw` (_rewrite_activations: per saved activation keep, recompute or offload, the cheapest per byte
+        first); where that does not fit and `min_cut(fraction)` can partition the whole joint graph again, the
+        partitioner's own recompute knapsack (_knapsack_partition), then the rewrite from the knapsack's partition
+        that came closest. The search plans from the FX graphs; where the code is followed, the
         plan found is compiled and its peak read from the code: where that is over the budget (inductor's fusion
         keeps more alive than the FX order does), the search runs again for a budget lowered by the excess, up to
         PLAN_ROUNDS times."""
@@ -87,26 +87,41 @@ class ActivationSearch:
     def _plan_for(self, fw: fx.GraphModule, bw: fx.GraphModule, min_cut, peak: int, target: int, budget: int
                   ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
         """The search for a planned (FX) step peak of at most `target`: the forward and backward chosen and their
-        planned peak, with self.report and self.offload_saved set."""
+        planned peak, with self.report and self.offload_saved set. The rewrite of the partition comes first: it
+        needs no partition of its own (each knapsack fraction costs a min-cut of the whole joint graph, ~10 s at
+        Llama 2 7B's 32 layers), and where both fit, its plan was the cheaper one by the cost model or within 12%
+        of the knapsack's (docs/planner.md). Where nothing fits, the rewrite of the partition is the smallest plan
+        found."""
         self.offload_saved = frozenset()
-        fits, closest = self._knapsack_partition(min_cut, peak, target) if min_cut else (None, None)
+        f, b = (graph_copies.copy(g) for g in (fw, bw)) if min_cut else (fw, bw)  # the rewrite works in place
+        own = self._rewrite_activations(f, b, target)
+        if own[2] <= target or not min_cut:
+            return self._rewritten(f, b, own, peak, budget)
+        fits, closest = self._knapsack_partition(min_cut, peak, target)
         if fits is not None:
-            fraction, f, b, planned = fits
-            self.report = activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs, fraction, self.cost,
+            fraction, kf, kb, planned = fits
+            self.report = activation_plan.partition_report(fw, bw, kf, kb, self.num_fwd_outputs, fraction, self.cost,
                                                            peak, planned, budget)
-            return f, b, planned
-        for fraction, f, b, start_peak in ([closest] if closest else []) + [(None, fw, bw, peak)]:
-            chosen, seconds, planned, every = self._rewrite_activations(f, b, target)
-            if planned <= target:
-                break
+            return kf, kb, planned
+        if closest is not None:
+            fraction, kf, kb, start_peak = closest
+            theirs = self._rewrite_activations(kf, kb, target)
+            if theirs[2] <= target:
+                plan = self._rewritten(kf, kb, theirs, start_peak, budget)
+                self.report[0] += (f"; from the partitioner's recompute knapsack at activation_memory_budget "
+                                   f"{fraction:.3g} (planned step peak {liveness.fmt(peak)} with every saved "
+                                   "activation kept)")
+                self.report += activation_plan.partition_report(fw, bw, kf, kb, self.num_fwd_outputs, fraction,
+                                                                self.cost, peak, start_peak, budget)
+                return plan
+        return self._rewritten(f, b, own, peak, budget)
+
+    def _rewritten(self, f: fx.GraphModule, b: fx.GraphModule, rewrite: tuple, start_peak: int, budget: int
+                   ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+        """A rewrite's graphs and planned peak, with self.report and self.offload_saved set from its choices."""
+        chosen, seconds, planned, every = rewrite
         self.offload_saved = frozenset(c.name for c in chosen if c.action == "offload")
         self.report = activation_plan.report(every, chosen, seconds, start_peak, planned, budget)
-        if fraction is not None:  # on the knapsack's partition
-            self.report[0] += (f"; from the partitioner's recompute knapsack at activation_memory_budget "
-                               f"{fraction:.3g} (planned step peak {liveness.fmt(peak)} with every saved activation "
-                               "kept)")
-            self.report += activation_plan.partition_report(fw, bw, f, b, self.num_fwd_outputs, fraction, self.cost,
-                                                            peak, start_peak, budget)
         return f, b, planned
 
     def _knapsack_partition(self, min_cut, peak: int, budget: int) -> tuple:
