@@ -125,6 +125,24 @@ def test_plan_175b_on_512_ranks_matches_zero_formulas():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 16 * 2**20  # KiB: nothing of 700 GB allocated
 
 
+def test_plan_counts_the_fused_attention_kernel_not_the_math_path():
+    """SDPA on the meta device takes its math path, a [batch, heads, seq, seq] score matrix per layer that no CPU
+    or GPU run holds; zcompile plan traces the fused kernel a CPU runs instead (plan.fused_attention), so no value
+    of a Llama's planned graphs is seq x seq, and torch's function is itself again afterwards."""
+    import torch
+    from zcompile.tools.plan import plan
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seq = 512
+    result = plan("llama-7b", world=8, seq=seq, overrides={"n_layer": 1, "n_embd": 256, "n_head": 4,
+                                                           "ffn_hidden": None, "vocab_size": 1000})
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    targets = {str(n.target) for gm in result.graphs.values() for n in gm.graph.nodes}
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in targets, sorted(targets)
+    square = [n.name for gm in result.graphs.values() for n in gm.graph.nodes
+              if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape[-2:]) == (seq, seq)]
+    assert not square, square
+
+
 def test_plan_cli_writes_schedule_trace_and_json(tmp_path):
     import json
     import subprocess

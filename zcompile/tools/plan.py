@@ -7,6 +7,7 @@ never run. So a 175B or 1T parameter GPT plans on a laptop. The model must compi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
 import dataclasses
 import json
@@ -149,6 +150,30 @@ def build_model(spec: str) -> tuple[str, GPTConfig | LlamaConfig]:
                               "fields (vocab_size, block_size, n_layer, n_head, n_embd)")
 
 
+@contextlib.contextmanager
+def fused_attention():
+    """Inside: torch.nn.functional.scaled_dot_product_attention on meta tensors runs the fused kernel a CPU runs
+    (aten._scaled_dot_product_flash_attention_for_cpu). On the meta device SDPA takes its math path, which
+    materializes a [batch, heads, seq, seq] score matrix (several alive at once, in fp32: 2 GiB each for Llama 2 7B
+    at 4096 tokens) where a CPU or a GPU keeps the output and a log-sum-exp per row, so the plan would count
+    memory no run holds. Grouped key/value heads (fewer key heads than query heads) keep the math path."""
+    functional = torch.nn.functional
+    sdpa = functional.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta" or query.dim() != 4 or key.shape[-3] != query.shape[-3]:
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+    functional.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = sdpa
+
+
 def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, seq: int | None = None,
          overrides: dict | None = None, offload: str = "none", budget: str | None = None,
          max_batch: bool = False) -> Plan:
@@ -203,7 +228,8 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
         warnings.filterwarnings("ignore", message=".*memory_budget is checked with the dynamic sizes.*")
-        torch.compile(net, backend=backend, fullgraph=True)(idx, idx)  # compiles; the dry run returns meta tensors
+        with fused_attention():
+            torch.compile(net, backend=backend, fullgraph=True)(idx, idx)  # compiles; the dry run returns meta tensors
     (job,) = jobs
     zps = list(job.params.values())
     P = sum(zp.numel for zp in zps)
