@@ -1,6 +1,8 @@
 """Regional compile (zcompile/compiler/codegen/regions.py), single process: the cut points, that repeated blocks
 share one compiled region whatever the depth, that the program matches the model and drops each value after its
 last reader. (The 2-rank inductor runs in test_parity, test_zeropp and test_offload go through it with collectives.)"""
+import re
+
 import pytest
 import torch
 import torch.fx as fx
@@ -778,6 +780,37 @@ def test_nested_blocks_call_one_body_per_distinct_block_and_match_the_model():
                 bodies[kind, depth] = len(used)
                 assert len(used) <= 3, (kind, depth, len(used))  # first block, the others, last block
     assert {k: n for (k, d), n in bodies.items() if d == 4} == {k: n for (k, d), n in bodies.items() if d == 8}
+
+
+def test_nested_bodies_leave_their_input_checks_to_the_caller():
+    """zcompile's inductor compile of a nested graph (codegen.inductor.unchecked_body_inputs): a block body's code
+    asserts no input's size and stride at each of its calls (inductor gives each call's operands the body's
+    layouts: issue 69's host work), while the outer graph's code still checks its own inputs; the loss and the
+    gradients are the model's."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
+    from zcompile.compiler.codegen import inductor
+
+    def compiler(kind):
+        return lambda gm, example_inputs: inductor.compile_inductor(regions.nest_blocks(gm), example_inputs, kind)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = Net(4)
+    run = torch.compile(net, backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                                                  decompositions=select_decomp_table()))
+    with fresh_inductor_cache():
+        _, codes = run_and_get_code(lambda: assert_matches_the_model(net, run, torch.randn(4, 16), atol=1e-5))
+    assert len(codes) == 2, len(codes)  # forward, backward
+    for code in codes:
+        bodies = [_top_level_def(code, at.start()) for at in re.finditer(r"^def zc_block_", code, re.M)]
+        outer = code.count("'input')") - sum(b.count("'input')") for b in bodies)
+        assert bodies and outer > 0 and all("assert_size_stride" not in b for b in bodies), code
+
+
+def _top_level_def(code: str, start: int) -> str:
+    """The text of the function defined at `start` in generated code: up to the next unindented line."""
+    end = re.compile(r"^\S", re.M).search(code, code.index("\n", start) + 1)
+    return code[start:end.start() if end else len(code)]
 
 
 def test_nesting_leaves_a_graph_without_blocks_or_with_sizes_between_blocks_alone():

@@ -89,10 +89,27 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, kind: str):
     warmup.wait()
     # The order is the passes' (prefetch, release, the planner's budget): inductor's peak-memory reordering would
     # move a prefetched gather's wait up to the first moment its buffers can be reused, ending the overlap.
-    with config.patch(reorder_for_peak_memory=False), block_local_fusion(), \
+    with config.patch(reorder_for_peak_memory=False), block_local_fusion(), unchecked_body_inputs(), \
             (_kernels_deferred() if getattr(_code_only, "on", False) else contextlib.nullcontext()):
         return compile_fx_inner(gm, example_inputs, is_backward=(kind == "backward"),
                                 is_inference=(kind == "inference"))
+
+
+@contextlib.contextmanager
+def unchecked_body_inputs():
+    """Inside: the body of a subgraph call (`regional_compile: nested`: one per distinct block, called once per
+    block) does not assert its inputs' sizes and strides at every call, as the outer graph's code does for the
+    graph's own inputs. Its callers are in the same compile, and inductor gives each call's operands the strides
+    of the fake inputs the body was lowered for (ir.InvokeSubgraph.create); at 24 layers the checks were 1,470 of a
+    step's Python calls. The outer graph's inputs, and the outputs of extern kernels, stay checked."""
+    from torch._inductor import config
+    from torch._inductor.codegen.wrapper import SubgraphPythonWrapperCodegen
+
+    def nan_asserts_only(self):
+        if config.nan_asserts:
+            self.codegen_input_nan_asserts()
+    with mock.patch.object(SubgraphPythonWrapperCodegen, "codegen_input_size_and_nan_asserts", nan_asserts_only):
+        yield
 
 
 def _blocks(snode) -> frozenset:
