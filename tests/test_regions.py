@@ -813,6 +813,16 @@ def _top_level_def(code: str, start: int) -> str:
     return code[start:end.start() if end else len(code)]
 
 
+def test_the_backward_runs_below_autograd():
+    """With grad mode off, the compiled backward runs with autograd's dispatch keys excluded (codegen.commit): its
+    functional collectives skip the Python autograd wrapper torch registers for them (`autograd_impl`, six Python
+    calls a collective call; issue 69's host work), while the forward, whose outputs autograd must see, keeps it."""
+    from tests import workers
+    from tests.harness import run_world
+    for seen in run_world(2, workers.collective_autograd_wrappers, {"stage": 3, "backend": "eager"}):
+        assert seen["forward"] > 0 and seen["backward"] == 0, seen
+
+
 def test_nesting_leaves_a_graph_without_blocks_or_with_sizes_between_blocks_alone():
     """No block regions: nothing to nest. A dynamic batch whose size a block region reads (PairBlock's view):
     inductor's subgraph calls take tensors only, so the graph is left to the regions."""

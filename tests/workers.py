@@ -941,3 +941,25 @@ def update_in_backward_misuse(rank: int, world: int, misuse: str) -> None:
             opt.zero_grad()
         opt.step()
         opt.zero_grad()
+
+
+def collective_autograd_wrappers(rank: int, world: int, config: dict) -> dict:
+    """Calls of torch.library's Python autograd wrapper (`autograd_impl`, which torch registers for the functional
+    collectives) per phase of a training step after the first, by sys.setprofile."""
+    import sys
+    model, opt, _ = train(rank, world, "gpt", config, 1)
+    x = rank_slice(global_batch(1, world), rank, world)
+    seen = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "autograd_impl" and "_library" in frame.f_code.co_filename:
+            seen[phase[0]] += 1
+    sys.setprofile(count)
+    try:
+        loss = loss_of(model, "gpt", x)
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    return seen

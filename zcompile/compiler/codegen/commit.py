@@ -49,6 +49,10 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
         isinstance(o, fx.Node) and o.target is torch.ops.zcompile.to_host.default
         for o in gm.graph.output_node().args[0])
 
+    # a backward with grad mode off records nothing: below autograd's keys its functional collectives skip torch's
+    # Python autograd wrapper (six calls each). Not the forward: AOTAutograd reads its outputs' view metadata
+    below_autograd = kind == "backward"
+
     def run_graph(args):
         stale = [zp for zp in whole if zp.stale()]
         if check is not None:
@@ -64,6 +68,9 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
             args.extend(s.value() for s in side)
         if memory_trace.RUNS is not None:
             out = memory_trace.run_measured(compiled, args, job.graph_id, kind, planned)
+        elif below_autograd and not torch.is_grad_enabled():
+            with torch._C._AutoDispatchBelowAutograd():
+                out = compiled(args)
         else:
             out = compiled(args)
         if host_grads:
