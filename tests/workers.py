@@ -947,7 +947,7 @@ def collective_autograd_wrappers(rank: int, world: int, config: dict) -> dict:
     """Calls of torch.library's Python autograd wrapper (`autograd_impl`, which torch registers for the functional
     collectives) per phase of a training step after the first, by sys.setprofile."""
     import sys
-    model, opt, _ = train(rank, world, "gpt", config, 1)
+    model, _, _ = train(rank, world, "gpt", config, 1)
     x = rank_slice(global_batch(1, world), rank, world)
     seen = {"forward": 0, "backward": 0}
     phase = ["forward"]
