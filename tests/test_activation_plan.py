@@ -195,8 +195,10 @@ def test_attention_and_the_view_of_its_output_go_out_together(dropout_p):
 
 
 def test_the_budget_error_names_gradients_of_outputs_the_loss_does_not_use():
-    """A forward that returns more than its loss (logits, a Hugging Face model's K/V cache) gets, in the backward,
-    a gradient per output: autograd fills the unused ones with zeros, and MemoryBudgetError names their bytes."""
+    """A forward that returns no scalar loss gets, in the backward, a gradient per output that requires one (autograd
+    fills those no loss uses with zeros), and MemoryBudgetError names their bytes; beside a scalar loss the backward
+    as run takes none (output_grads.as_run), and nothing is named."""
+    from zcompile.compiler.codegen.output_grads import as_run
     from zcompile.compiler.planning.budget import tangents_note as _tangents_note
     record = {}
 
@@ -209,11 +211,17 @@ def test_the_budget_error_names_gradients_of_outputs_the_loss_does_not_use():
         h = x @ w
         return h.square().mean(), h.tanh()  # the loss, and a (16, 32) output beside it
 
-    loss, _ = aot_function(step, fw_compiler=nop, bw_compiler=nop, partition_fn=partition)(
-        torch.randn(16, 8), torch.randn(8, 32, requires_grad=True))
+    def outputs(x, w):
+        h = x @ w
+        return h.square(), h.tanh()  # two (16, 32) outputs, no loss
+    x, w = torch.randn(16, 8), torch.randn(8, 32, requires_grad=True)
+    loss, _ = aot_function(step, fw_compiler=nop, bw_compiler=nop, partition_fn=partition)(x, w)
     loss.backward()
-    note = _tangents_note(record["bw"])
-    assert "gradients of 1 forward output(s) 2.00 KiB" in note and "use_cache=False" in note, note
+    assert _tangents_note(record["bw"]) != "" and _tangents_note(as_run("backward", record["bw"])) == ""
+    a, _ = aot_function(outputs, fw_compiler=nop, bw_compiler=nop, partition_fn=partition)(x, w)
+    a.sum().backward()
+    note = _tangents_note(as_run("backward", record["bw"]))
+    assert "gradients of 2 forward output(s) 4.00 KiB" in note and "returns no scalar loss" in note, note
     assert _tangents_note(torch.fx.symbolic_trace(lambda x: x + 1)) == ""
 
 

@@ -50,6 +50,7 @@ def test_a_second_launch_loads_the_graphs_and_trains_bit_identically(tmp_path):
             assert b["aot"].get("autograd_cache_hit", 0) == graphs and b["aot"].get("autograd_cache_miss", 0) == 0, \
                 (case, b["aot"])
             assert _same(a, b), case
+            assert a["loss-only"] == b["loss-only"] == [(False, False), (True, True)], (case, b["loss-only"])
     # rank 0 loads, rank 1 compiles: the schedule check and the subgroups meet in the same order. Rank 1's directory
     # holds no graph, only the C++ kernels its first launch built (inductor lowers again; g++ is not what is tested)
     mixed_cases = CASES[:2] + [("gpt", dict(ZEROPP, ranks_per_node=1))]  # qgZ over 2 nodes: subgroups

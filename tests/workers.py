@@ -694,7 +694,7 @@ def cached_launch(rank: int, world: int, cases: list, steps: int, cache_dirs: li
     """One launch of a job over `cases` ((model name, config) each, in order), with this rank's inductor and
     AOTAutograd cache in cache_dirs[rank]: per case the losses, the trained parameters, an evaluation forward under
     no_grad (an inference graph), each parameter's compile decisions, how many graphs compiled and AOTAutograd's
-    cache counters."""
+    cache counters; per graph whether its backward ran loss-only (output_grads)."""
     import os
 
     from torch._dynamo.utils import counters
@@ -711,8 +711,10 @@ def cached_launch(rank: int, world: int, cases: list, steps: int, cache_dirs: li
         losses.append(loss_of(model, name, x).item())  # training again after compiling the inference graph
         decisions = [(zp.persistent, str(zp.optim_tier), zp.secondary_numel)
                      for zp in (p._zc for p in model.parameters())]
-        out.append({"losses": losses, "eval": evaluated, "decisions": decisions,
-                    "graphs": len(set(backend._COMPILED) - before),
+        jobs = set(backend._COMPILED) - before
+        out.append({"losses": losses, "eval": evaluated, "decisions": decisions, "graphs": len(jobs),
+                    "loss-only": sorted((j.zero_fill_off, j.loss_only is not None and j.loss_only.full is None)
+                                        for j in jobs),
                     "params": {k: v.cpu() for k, v in zcompile.full_state_dict(model).items()},
                     "aot": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}})
     return out
@@ -963,3 +965,29 @@ def collective_autograd_wrappers(rank: int, world: int, config: dict) -> dict:
     finally:
         sys.setprofile(None)
     return seen
+
+
+def logits_gradients(rank: int, world: int, backend: str) -> list:
+    """Three backward calls on the same parameters and batch: the loss alone, the loss plus a term of the returned
+    logits, the loss alone again. Per call the whole gradients (by name), the same against the uncompiled model (the
+    mean of every rank's gradient), and whether the backward graph as traced had been compiled by then."""
+    from zcompile.compiler import backend as zb
+    reset_dynamo()
+    before = set(zb._COMPILED)
+    model = torch.compile(build_model("gpt"), backend="zero", options={"config": {"stage": 3, "backend": backend}})
+    ref = build_model("gpt")
+    x = global_batch(0, world)
+    out = []
+    for with_logits in (False, True, False):
+        def loss(m, xs):
+            o = m(xs[:, :-1], xs[:, 1:])
+            return o.loss + 0.5 * o.logits.float().square().mean() if with_logits else o.loss
+        loss(model, rank_slice(x, rank, world)).backward()
+        (sum(loss(ref, rank_slice(x, r, world)) for r in range(world)) / world).backward()
+        jobs = [job for job in zb._COMPILED if job not in before and job.loss_only is not None]
+        out.append({"grads": {k.removeprefix("_orig_mod."): p.grad.full_tensor().clone() for k, p in model.named_parameters()},
+                    "reference": {k: p.grad.clone() for k, p in ref.named_parameters()},
+                    "loss-only backwards": len(jobs), "full compiled": [j.loss_only.full is not None for j in jobs]})
+        model.zero_grad()
+        ref.zero_grad()
+    return out

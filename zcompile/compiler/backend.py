@@ -27,7 +27,7 @@ from torch._inductor.decomposition import select_decomp_table
 
 from zcompile import config as zconfig
 from zcompile.compiler import passes
-from zcompile.compiler.codegen import graph_cache
+from zcompile.compiler.codegen import graph_cache, output_grads
 from zcompile.compiler.debug import aot_graph_logs, schedule_check
 from zcompile.compiler.job import GraphCompile
 from zcompile.compiler.planning import planner
@@ -184,6 +184,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
         # dynamo passes the meshes of DTensor parameters as graph inputs on some versions, not on others
         args = [a for k, a in enumerate(args) if k not in skip] if len(args) > kept else list(args)
         shard_store.graph_inputs(args, job.params)
+        if job.zero_fill_off:
+            out = job.compiled(*args)
+            output_grads.no_zero_fill(out)
+            return out
         return job.compiled(*args)
 
     return job, run

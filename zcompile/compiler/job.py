@@ -15,7 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from zcompile import config as zconfig
 from zcompile.compiler import passes
-from zcompile.compiler.codegen import commit
+from zcompile.compiler.codegen import commit, output_grads
 from zcompile.compiler.debug import schedule_check
 from zcompile.compiler.debug.dump import GraphDumper
 from zcompile.compiler.graph import collectives, fake_values, graph_copies
@@ -59,6 +59,8 @@ class GraphCompile:
         self.schedule: tuple[int, str] = (0, "")  # schedule_check.fingerprint of the compiled graphs
         # kind -> (final graph, its pass context, subgroup names -> process group names), as committed
         self.committed: dict[str, tuple[fx.GraphModule, PassContext, dict[str, str]]] = {}
+        self.zero_fill_off = False  # the backward is loss-only: autograd passes no zeros for the other outputs
+        self.loss_only: output_grads.LossOnly | None = None  # as committed
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -143,6 +145,7 @@ class GraphCompile:
         self.memory.plan_persistence({"forward": fw, "backward": bw})
         fw, self.fw_pctx = self.split_passes(fw, "forward")
         bw, self.bw_pctx = self.split_passes(bw, "backward")
+        self.zero_fill_off = bool(output_grads.droppable(bw))  # known before the first forward runs
         self.memory.check_budget({"forward": fw, "backward": bw})
         self.dump.schedule({"forward": fw, "backward": bw}, timeline.CostModel.for_device(self.ctx.device))
         if self.cfg.schedule_check:
@@ -199,8 +202,17 @@ class GraphCompile:
             with self.timed("fake propagation"):
                 fake_values.refresh(gm, fake_inputs)
         self.mark_compiler(gm)
+        loss_only = self.backward_for_loss(kind, gm, fake_inputs)
         with self.timed("liveness"):
-            planned = self.planned[kind] = liveness.analyze(gm)
+            planned = self.planned[kind] = liveness.analyze(gm if loss_only is None else loss_only.gm)
         if not self.commit:
             return commit.dry_runner(gm)
-        return commit.commit_graph(self, kind, gm, fake_inputs, pctx, planned)
+        return commit.commit_graph(self, kind, gm, fake_inputs, pctx, planned, loss_only)
+
+    def backward_for_loss(self, kind: str, gm: fx.GraphModule, fake_inputs: list) -> output_grads.LossOnly | None:
+        """The backward as compiled for steps whose only gradient is the loss's (output_grads), or None."""
+        if kind != "backward":
+            return None
+        names = output_grads.droppable(gm)
+        self.zero_fill_off = bool(names)
+        return output_grads.LossOnly(gm, fake_inputs, names) if names else None

@@ -13,7 +13,7 @@ import contextlib
 import torch.fx as fx
 
 from zcompile.compiler import codegen
-from zcompile.compiler.codegen import graph_cache, inductor, regions
+from zcompile.compiler.codegen import graph_cache, inductor, output_grads, regions
 from zcompile.compiler.graph import graph_copies
 from zcompile.compiler.planning import budget, liveness, planner, recompute, timeline, wrapper_memory
 from zcompile.compiler.planning.activation_search import ActivationSearch
@@ -53,7 +53,8 @@ class MemoryPlan:
         scratch: dict = {}  # the trial's forward tells its backward which activations it offloaded
         copies = {kind: graph_copies.copy(gm) for kind, gm in graphs.items()}
         recompute.mark_released(copies, job.num_fwd_outputs)
-        split = {kind: job.split_passes(gm, kind, trial=scratch, offload_saved=offload_saved)[0]
+        split = {kind: output_grads.as_run(kind, job.split_passes(gm, kind, trial=scratch,
+                                                                  offload_saved=offload_saved)[0])
                  for kind, gm in copies.items()}
         lives = {kind: liveness.analyze(gm) for kind, gm in split.items()}
         state = planner.model_state(list(job.params.values()))
@@ -108,15 +109,16 @@ class MemoryPlan:
 
     def check_budget(self, graphs: dict[str, fx.GraphModule]) -> None:
         """budget.check over the final graphs, with their peaks from inductor's code where it is followed."""
-        job, lives = self.job, {}
+        job, lives, run = self.job, {}, None
         if job.cfg.memory_budget_bytes(job.ctx.device) is not None:
-            lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
+            run = {kind: output_grads.as_run(kind, gm) for kind, gm in graphs.items()}
+            lives = {kind: liveness.analyze(gm) for kind, gm in run.items()}
             if job.follows_code():
                 with job.timed("trial compile"):
-                    lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in graphs.items()}
+                    lives = {kind: self.code_liveness(gm, kind, lives[kind]) for kind, gm in run.items()}
         self.code_layouts.clear()  # they hold the trials' graphs
         budget.check(job.cfg, job.ctx.device, list(job.params.values()), graphs, lives, job.notes,
-                     job.activation_plan, f"graph {job.graph_id} ({job.inputs_text})")
+                     job.activation_plan, f"graph {job.graph_id} ({job.inputs_text})", run)
 
     def plan_persistence(self, graphs: dict[str, fx.GraphModule]) -> None:
         """budget.plan_persistence, the headroom measured by a compiled trial of `graphs`."""

@@ -18,6 +18,7 @@ import torch
 
 from zcompile import config as zconfig
 from zcompile.compiler import backend as zbackend
+from zcompile.compiler.codegen import output_grads
 from zcompile.compiler.graph import collectives
 from zcompile.compiler.planning import liveness, planner, timeline
 from zcompile.tools import report
@@ -234,7 +235,7 @@ def plan(model: str, world: int, nodes: int = 1, config=None, micro: int = 1, se
     zps = list(job.params.values())
     P = sum(zp.numel for zp in zps)
     state = planner.model_state(zps)
-    graphs = dict(job.final)
+    graphs = {kind: output_grads.as_run(kind, gm) for kind, gm in job.final.items()}  # the backward loss-only
     lives = {kind: liveness.analyze(gm) for kind, gm in graphs.items()}
     comm, counts, cross = {}, {}, 0
     for kind, gm in graphs.items():

@@ -12,6 +12,7 @@ from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from zcompile.compiler import codegen
+from zcompile.compiler.codegen import output_grads
 from zcompile.compiler.debug import schedule_check
 from zcompile.compiler.graph import collectives, graph_copies
 from zcompile.compiler.graph.pass_context import PassContext, SideInput
@@ -20,9 +21,11 @@ from zcompile.runtime import collective_traffic, groups, memory_trace, nonfinite
 
 
 def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: PassContext,
-                 planned: liveness.Liveness):
+                 planned: liveness.Liveness, loss_only: output_grads.LossOnly | None = None):
     """The commit step: what compiling decided becomes runtime state, and the graph becomes a function.
-    Every rank reaches it at the same point (process groups and whole-parameter gathers are collective)."""
+    Every rank reaches it at the same point (process groups and whole-parameter gathers are collective).
+    `loss_only`: the backward compiled without the non-scalar outputs' gradients (`gm` compiled as traced when a
+    step brings one)."""
     zps = list(job.params.values())
     with _disable_current_modes():  # real buffers and collectives, not AOTAutograd's fake tracing mode
         shard_store.make_persistent(zps)
@@ -31,11 +34,17 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
         made = {g.name: groups.realize(job.ctx, g, job.cfg.collective_timeout_s).name for g in pctx.subgroups}
     collectives.rename_groups(gm, made)
     job.committed[kind] = (gm, pctx, made)
+    run_gm, run_fakes = gm, fake_inputs
+    if kind == "backward":
+        job.loss_only = loss_only
+    if loss_only is not None:
+        collectives.rename_groups(loss_only.gm, made)
+        run_gm, run_fakes = loss_only.gm, loss_only.fake_inputs
     with job.timed(f"{job.cfg.backend} {kind}"):
-        compiled = codegen.compile_graph(job.cfg.backend, gm, fake_inputs, kind, job.cfg.regional_compile)
+        compiled = codegen.compile_graph(job.cfg.backend, run_gm, run_fakes, kind, job.cfg.regional_compile)
     if hasattr(compiled, "regions"):
         job.regions[kind] = (compiled.regions, compiled.compiled_regions, compiled.compiled)
-        planned = job.planned[kind] = wrapper_memory.graph_liveness(gm, planned, compiled.layout)
+        planned = job.planned[kind] = wrapper_memory.graph_liveness(run_gm, planned, compiled.layout)
     side = list(pctx.side_inputs)
     sched = collectives.schedule(gm)
     reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]
@@ -53,7 +62,12 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
     # Python autograd wrapper (six calls each). Not the forward: AOTAutograd reads its outputs' view metadata
     below_autograd = kind == "backward"
 
+    def compile_full():
+        with job.timed(f"{job.cfg.backend} {kind}"):
+            return codegen.compile_graph(job.cfg.backend, gm, fake_inputs, kind, job.cfg.regional_compile)
+
     def run_graph(args):
+        run = compiled if loss_only is None else loss_only.select(args, compiled, compile_full)
         stale = [zp for zp in whole if zp.stale()]
         if check is not None:
             check(bool(stale))
@@ -67,12 +81,12 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
             given.clear()
             args.extend(s.value() for s in side)
         if memory_trace.RUNS is not None:
-            out = memory_trace.run_measured(compiled, args, job.graph_id, kind, planned)
+            out = memory_trace.run_measured(run, args, job.graph_id, kind, planned)
         elif below_autograd and not torch.is_grad_enabled():
             with torch._C._AutoDispatchBelowAutograd():
-                out = compiled(args)
+                out = run(args)
         else:
-            out = compiled(args)
+            out = run(args)
         if host_grads:
             torch.cuda.current_stream(job.ctx.device).synchronize()
         if watch_loss:
@@ -136,9 +150,10 @@ def load_cached(job, kind: str, record: dict, gm: fx.GraphModule) -> Callable:
     job.final[kind] = gm
     fake_inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     job.mark_compiler(gm)
+    loss_only = job.backward_for_loss(kind, gm, fake_inputs)
     with job.timed("liveness"):
-        planned = job.planned[kind] = liveness.analyze(gm)
-    return commit_graph(job, kind, gm, fake_inputs, pctx, planned)
+        planned = job.planned[kind] = liveness.analyze(gm if loss_only is None else loss_only.gm)
+    return commit_graph(job, kind, gm, fake_inputs, pctx, planned, loss_only)
 
 
 def fake_inputs(phs: list[fx.Node], example_inputs: list, pctx: PassContext) -> list:

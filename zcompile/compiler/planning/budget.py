@@ -54,10 +54,11 @@ def note_unbounded_sizes(graphs: dict[str, fx.GraphModule], source: str, graph_t
 
 
 def check(cfg: zconfig.Config, device: torch.device, params: list, graphs: dict[str, fx.GraphModule],
-          lives: dict[str, liveness.Liveness], notes: list[str], activation_report: list[str], graph_text: str
-          ) -> None:
+          lives: dict[str, liveness.Liveness], notes: list[str], activation_report: list[str], graph_text: str,
+          run_graphs: dict[str, fx.GraphModule] | None = None) -> None:
     """A plan whose step peak (`lives`: each graph's liveness, as compiled) exceeds `memory_budget` fails here
-    (over_budget: error), before anything runs; 'auto' optimizer state is placed. Appends its notes to `notes`."""
+    (over_budget: error), before anything runs; 'auto' optimizer state is placed. Appends its notes to `notes` and
+    the graphs'. `run_graphs`: the graphs as run, where they differ (a loss-only backward)."""
     budget = cfg.memory_budget_bytes(device)
     if budget is None:
         for zp in params:
@@ -89,7 +90,7 @@ def check(cfg: zconfig.Config, device: torch.device, params: list, graphs: dict[
     else:
         g = lives[worst]
         msg += (f" + {worst} graph inputs {liveness.fmt(g.input_bytes)} (shards, batch"
-                + tangents_note(graphs[worst]) + ") "
+                + tangents_note((run_graphs or graphs)[worst]) + ") "
                 f"+ transient peak {liveness.fmt(g.peak_bytes)} after {g.peak_node}"
                 + (f" (with the saved activations, {liveness.fmt(g.saved_bytes)} at the backward's start)"
                    if g.saved_bytes else ""))
@@ -106,13 +107,14 @@ def check(cfg: zconfig.Config, device: torch.device, params: list, graphs: dict[
 
 
 def tangents_note(gm: fx.GraphModule) -> str:
-    """The backward's gradients of non-scalar forward outputs: autograd fills one with zeros for every output the
-    loss does not use (the logits beside a loss, a Hugging Face model's K/V cache), and they count."""
+    """The backward's gradients of non-scalar forward outputs, as the backward run takes them: where the graph
+    returns no scalar loss (codegen/output_grads.py drops them beside one), each output that requires a gradient
+    gets one, zero-filled by autograd where no loss uses it, and they count."""
     outs = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")
             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > 1]
     if not outs:
         return ""
     nbytes = sum(map(recompute.nbytes, outs))
-    return (f", gradients of {len(outs)} forward output(s) {liveness.fmt(nbytes)}: one the loss does not use is "
-            "zero-filled by autograd, e.g. a Hugging Face model's K/V cache (call it with use_cache=False) or "
-            "logits returned beside the loss")
+    return (f", gradients of {len(outs)} forward output(s) {liveness.fmt(nbytes)}: this graph returns no scalar "
+            "loss, so its backward takes a gradient for every output that requires one (autograd fills one no loss "
+            "uses with zeros): return the loss from the compiled model, or detach what no loss uses")

@@ -37,7 +37,7 @@ def _kind(op) -> str:
     returns = op._schema.returns
     if len(returns) == 1 and returns[0].alias_info is not None:
         return "view"
-    if torch.Tag.pointwise in op.tags or op in _REDUCTIONS:
+    if torch.Tag.pointwise in op.tags or op in _REDUCTIONS or op is aten.full.default:  # a fill: a loop too
         return "loop"
     return "extern"
 
