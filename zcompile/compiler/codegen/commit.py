@@ -46,6 +46,8 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
         job.regions[kind] = (compiled.regions, compiled.compiled_regions, compiled.compiled)
         planned = job.planned[kind] = wrapper_memory.graph_liveness(run_gm, planned, compiled.layout)
     side = list(pctx.side_inputs)
+    if loss_only is not None:
+        loss_only.num_args -= len(side)
     sched = collectives.schedule(gm)
     reads = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.zcompile.read_shard.default]
     read_ahead = reads if job.cfg.offload.overlap else []

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from zcompile.compiler.graph import graph_copies
+from zcompile.errors import ZCompileError
 from zcompile.kernels import linear_cross_entropy as lce
 
 _BACKWARD = lce.linear_cross_entropy_backward._opoverload
@@ -35,7 +36,7 @@ def droppable(gm: fx.GraphModule) -> tuple[str, ...]:
         return ()
     if not any(v.numel() == 1 for _, v in vals):
         return ()
-    return tuple(name for name, v in vals if v.numel() > 1)
+    return tuple(name for name, v in vals if v.numel() > 1 and _dense(v))
 
 
 def without(gm: fx.GraphModule, names: tuple[str, ...]) -> fx.GraphModule:
@@ -51,15 +52,44 @@ def without(gm: fx.GraphModule, names: tuple[str, ...]) -> fx.GraphModule:
                 user.update_arg(_GRAD_LOGITS, None)
                 continue
             with graph.inserting_before(user):  # made where it is read, in the reader's block (its region)
-                fill = graph.call_function(torch.ops.aten.full.default, (list(val.shape), 0),
-                                           {"dtype": val.dtype, "layout": torch.strided, "device": val.device,
-                                            "pin_memory": False})
-            fill.meta.update({k: user.meta[k] for k in _WHERE if k in user.meta})
-            fill.meta["val"] = val.new_zeros(val.shape)
+                fill = _zeros_like(graph, val, {k: user.meta[k] for k in _WHERE if k in user.meta})
             user.replace_input_with(ph, fill)
         graph.erase_node(ph)
     new.recompile()
     return new
+
+
+def _order(val: torch.Tensor) -> list[int]:
+    """`val`'s dimensions from the outermost in memory to the innermost."""
+    return sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+
+
+def _dense(val: torch.Tensor) -> bool:
+    """Whether `val` fills its storage without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for d in reversed(_order(val)):
+        if val.shape[d] != 1 and val.stride(d) != expected:
+            return False
+        expected *= val.shape[d]
+    return True
+
+
+def _zeros_like(graph: fx.Graph, val: torch.Tensor, where: dict) -> fx.Node:
+    """Zeros in `val`'s layout (the readers' views were traced for it): a `full` in its dimensions' memory order,
+    permuted back where that is not their order."""
+    order = _order(val)
+    shape = [val.shape[d] for d in order]
+    node = graph.call_function(torch.ops.aten.full.default, (shape, 0),
+                               {"dtype": val.dtype, "layout": torch.strided, "device": val.device,
+                                "pin_memory": False})
+    node.meta.update(where)
+    node.meta["val"] = val.new_zeros(shape)
+    if order != list(range(val.dim())):
+        inverse = sorted(range(val.dim()), key=order.__getitem__)
+        node = graph.call_function(torch.ops.aten.permute.default, (node, inverse))
+        node.meta.update(where)
+        node.meta["val"] = node.args[0].meta["val"].permute(inverse)
+    return node
 
 
 def as_run(kind: str, gm: fx.GraphModule) -> fx.GraphModule:
@@ -81,11 +111,16 @@ class LossOnly:
         self.kept = [k for k, n in enumerate(self.gm.graph.find_nodes(op="placeholder"))
                      if n.name.startswith("tangents")]
         self.all = [k for k, n in enumerate(phs) if n.name.startswith("tangents")]
+        self.num_args = len(phs)  # the caller's arguments; commit_graph subtracts its side inputs
         self.full: Callable | None = None
 
     def select(self, args: list, compiled: Callable, compile_full: Callable[[], Callable]) -> Callable:
         """Make `args` (the boxed list, edited in place) fit the function returned: the loss-only code where every
         dropped gradient is missing, else the full graph's; a missing gradient still read gets autograd's zeros."""
+        if len(args) != self.num_args:  # AOTAutograd's calling convention changed: the positions mean nothing
+            raise ZCompileError(f"the backward received {len(args)} arguments where its graph takes {self.num_args}: "
+                                "zcompile's loss-only backward does not match this torch's AOTAutograd (please "
+                                "report it with the torch version)")
         if all(args[k] is None for k in self.dropped):
             for k in reversed(self.dropped):
                 del args[k]
@@ -107,8 +142,8 @@ def _zero_fill(args: list, positions: list[int], fakes: list) -> None:
 def no_zero_fill(outputs) -> None:
     """After a forward whose backward is loss-only: autograd hands that backward None for the gradients no loss
     reached instead of zero-filled buffers (the node is AOTAutograd's autograd.Function, shared by all outputs)."""
-    for out in outputs:
+    for out in outputs:  # the loss: a scalar this graph computed (another output may pass through another's)
         node = getattr(out, "grad_fn", None)
-        if node is not None and type(node).__name__ == "CompiledFunctionBackward":
+        if node is not None and out.numel() == 1 and type(node).__name__ == "CompiledFunctionBackward":
             node.materialize_grads = False
             return
