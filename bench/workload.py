@@ -55,7 +55,8 @@ def build_model(name: str, vocab: int | None, layers: int | None = None, use_cac
     """gpt2-<size> (nanoGPT, 124M/350M/774M/1.5B), gpt2-cpu (8 layers, 128 wide: the CPU proxy), gpt2-tiny (2
     layers, 64 wide: tests), llama-1B (16 layers, 2048 wide, SwiGLU 8192, 32 heads / 8 KV heads), llama-cpu,
     qwen2-cpu (Qwen2ForCausalLM: biased q/k/v, tied embeddings, as Qwen2's small models; 8 layers, 128 wide),
-    hfgpt2-cpu (Hugging Face's GPT2LMHeadModel in gpt2-cpu's shape: Conv1D layers, learned positions, tied head).
+    hfgpt2-cpu (Hugging Face's GPT2LMHeadModel in gpt2-cpu's shape: Conv1D layers, learned positions, tied head),
+    gemma-cpu (GemmaForCausalLM in llama-cpu's shape: tied embeddings, GeGLU).
     `layers` overrides the depth; `use_cache`: the Hugging Face config's (its default is True; the proxies train
     with False unless asked)."""
     torch.manual_seed(0)
@@ -74,6 +75,15 @@ def build_model(name: str, vocab: int | None, layers: int | None = None, use_cac
                                       n_head=heads, use_cache=use_cache)
         cfg._attn_implementation = "sdpa"
         return transformers.GPT2LMHeadModel(cfg)
+    if family == "gemma":  # GemmaForCausalLM: tied embeddings scaled by sqrt(width), GeGLU; llama-cpu's shape
+        import transformers
+        d, depth, heads, kv, ff = {"cpu": (128, 8, 4, 2, 352), "tiny": (64, 2, 2, 1, 176)}[size]
+        cfg = transformers.GemmaConfig(vocab_size=vocab or 32000, hidden_size=d, intermediate_size=ff,
+                                       num_hidden_layers=layers or depth, num_attention_heads=heads,
+                                       num_key_value_heads=kv, head_dim=d // heads, max_position_embeddings=4096,
+                                       use_cache=use_cache)
+        cfg._attn_implementation = "sdpa"
+        return transformers.GemmaForCausalLM(cfg)
     if family in ("llama", "qwen2"):
         import transformers
         d, depth, heads, kv, ff = {"1B": (2048, 16, 32, 8, 8192), "cpu": (128, 8, 4, 2, 352),
