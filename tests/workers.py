@@ -985,7 +985,8 @@ def logits_gradients(rank: int, world: int, backend: str) -> list:
         loss(model, rank_slice(x, rank, world)).backward()
         (sum(loss(ref, rank_slice(x, r, world)) for r in range(world)) / world).backward()
         jobs = [job for job in zb._COMPILED if job not in before and job.loss_only is not None]
-        out.append({"grads": {k.removeprefix("_orig_mod."): p.grad.full_tensor().clone() for k, p in model.named_parameters()},
+        grads = {k.removeprefix("_orig_mod."): p.grad.full_tensor().clone() for k, p in model.named_parameters()}
+        out.append({"grads": grads,
                     "reference": {k: p.grad.clone() for k, p in ref.named_parameters()},
                     "loss-only backwards": len(jobs), "full compiled": [j.loss_only.full is not None for j in jobs]})
         model.zero_grad()

@@ -184,11 +184,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, cfg: zconfig.Config, ctx:
         # dynamo passes the meshes of DTensor parameters as graph inputs on some versions, not on others
         args = [a for k, a in enumerate(args) if k not in skip] if len(args) > kept else list(args)
         shard_store.graph_inputs(args, job.params)
+        out = job.compiled(*args)
         if job.zero_fill_off:
-            out = job.compiled(*args)
             output_grads.no_zero_fill(out)
-            return out
-        return job.compiled(*args)
+        return out
 
     return job, run
 

@@ -4,6 +4,7 @@ Also what the graph cache stores of a committed graph and restores on a hit. `jo
 backend.GraphCompile."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -40,8 +41,12 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
     if loss_only is not None:
         collectives.rename_groups(loss_only.gm, made)
         run_gm, run_fakes = loss_only.gm, loss_only.fake_inputs
-    with job.timed(f"{job.cfg.backend} {kind}"):
-        compiled = codegen.compile_graph(job.cfg.backend, run_gm, run_fakes, kind, job.cfg.regional_compile)
+
+    def compile_one(graph: fx.GraphModule, fakes: list) -> Callable:
+        with job.timed(f"{job.cfg.backend} {kind}"):
+            return codegen.compile_graph(job.cfg.backend, graph, fakes, kind, job.cfg.regional_compile)
+
+    compiled = compile_one(run_gm, run_fakes)
     if hasattr(compiled, "regions"):
         job.regions[kind] = (compiled.regions, compiled.compiled_regions, compiled.compiled)
         planned = job.planned[kind] = wrapper_memory.graph_liveness(run_gm, planned, compiled.layout)
@@ -64,9 +69,7 @@ def commit_graph(job, kind: str, gm: fx.GraphModule, fake_inputs: list, pctx: Pa
     # Python autograd wrapper (six calls each). Not the forward: AOTAutograd reads its outputs' view metadata
     below_autograd = kind == "backward"
 
-    def compile_full():
-        with job.timed(f"{job.cfg.backend} {kind}"):
-            return codegen.compile_graph(job.cfg.backend, gm, fake_inputs, kind, job.cfg.regional_compile)
+    compile_full = functools.partial(compile_one, gm, fake_inputs)  # a step that brings a dropped gradient
 
     def run_graph(args):
         run = compiled if loss_only is None else loss_only.select(args, compiled, compile_full)

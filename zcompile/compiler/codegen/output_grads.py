@@ -108,9 +108,8 @@ class LossOnly:
         self.gm = without(gm, names)
         self.fake_inputs = [v for k, v in enumerate(fake_inputs) if k not in self.dropped]
         self.full_fakes = fake_inputs
-        self.kept = [k for k, n in enumerate(self.gm.graph.find_nodes(op="placeholder"))
-                     if n.name.startswith("tangents")]
-        self.all = [k for k, n in enumerate(phs) if n.name.startswith("tangents")]
+        self.kept = _positions(self.gm, tangents(self.gm))
+        self.all = _positions(gm, tangents(gm))
         self.num_args = len(phs)  # the caller's arguments; commit_graph subtracts its side inputs
         self.full: Callable | None = None
 
@@ -130,6 +129,11 @@ class LossOnly:
             self.full = compile_full()
         _zero_fill(args, self.all, self.full_fakes)
         return self.full
+
+
+def _positions(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[int]:
+    """Where `nodes` (placeholders) are among `gm`'s inputs."""
+    return [k for k, n in enumerate(gm.graph.find_nodes(op="placeholder")) if n in nodes]
 
 
 def _zero_fill(args: list, positions: list[int], fakes: list) -> None:
