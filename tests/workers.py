@@ -464,6 +464,11 @@ def losses_and_traffic(rank: int, world: int, name: str, config: dict, steps: in
     return {"losses": losses + last, "traffic": zcompile.traffic(), "cross_node": zcompile.traffic(cross_node=True)}
 
 
+def shards_and_losses(rank: int, world: int, name: str, config: dict, steps: int) -> tuple[dict, dict]:
+    """gradient_shards, then losses_and_traffic of a new model, in one world."""
+    return gradient_shards(rank, world, name, config), losses_and_traffic(rank, world, name, config, steps)
+
+
 def gradient_shards(rank: int, world: int, name: str, config: dict, dtype: str | None = None) -> dict:
     """One forward/backward; this rank's reduced gradient shard of every parameter (stages 2/3), by name.
     `dtype` ("fp16", "bf16"): the model's parameters are stored in it (not mixed precision)."""
