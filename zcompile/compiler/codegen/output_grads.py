@@ -16,16 +16,13 @@ import torch
 import torch.fx as fx
 
 from zcompile.compiler.graph import graph_copies
+from zcompile.compiler.graph.tangents import tangents
 from zcompile.errors import ZCompileError
 from zcompile.kernels import linear_cross_entropy as lce
 
 _BACKWARD = lce.linear_cross_entropy_backward._opoverload
 _GRAD_LOGITS = 1  # linear_cross_entropy_backward(grad_loss, grad_logits, ...)
 _WHERE = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace")  # what places a node in a block
-
-
-def tangents(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
 
 
 def droppable(gm: fx.GraphModule) -> tuple[str, ...]:

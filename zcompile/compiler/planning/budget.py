@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from zcompile import config as zconfig
+from zcompile.compiler.graph.tangents import tangents
 from zcompile.compiler.planning import liveness, planner, recompute
 from zcompile.config import Stage, Tier
 from zcompile.errors import MemoryBudgetError
@@ -110,8 +111,7 @@ def tangents_note(gm: fx.GraphModule) -> str:
     """The backward's gradients of non-scalar forward outputs, as the backward run takes them: where the graph
     returns no scalar loss (codegen/output_grads.py drops them beside one), each output that requires a gradient
     gets one, zero-filled by autograd where no loss uses it, and they count."""
-    outs = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")
-            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > 1]
+    outs = [n for n in tangents(gm) if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > 1]
     if not outs:
         return ""
     nbytes = sum(map(recompute.nbytes, outs))

@@ -26,6 +26,7 @@ from zcompile.compiler.planning import liveness, timeline
 from zcompile.compiler.tracing.block_regions import free_name
 from zcompile.compiler.graph.blocks import block_of
 from zcompile.compiler.graph.placement import hoist
+from zcompile.compiler.graph.tangents import tangents
 
 MAX_OPS = 64  # a longer chain is no candidate (a transformer block's forward is ~50 ops)
 
@@ -54,8 +55,7 @@ def mark_released(graphs: dict[str, fx.GraphModule], num_fwd_outputs: int) -> No
     by the backward's peak)."""
     if "forward" in graphs and "backward" in graphs:
         bw = graphs["backward"]
-        tangents = {ph.name for ph in bw.graph.find_nodes(op="placeholder") if ph.name.startswith("tangents")}
-        liveness.mark_released(bw, released_saved(graphs["forward"], num_fwd_outputs) | tangents)
+        liveness.mark_released(bw, released_saved(graphs["forward"], num_fwd_outputs) | {n.name for n in tangents(bw)})
 
 
 def released_saved(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:

@@ -9,6 +9,7 @@ import torch.fx as fx
 from zcompile.compiler.graph.blocks import block_of
 from zcompile.compiler.graph.collectives import KEY, c10d
 from zcompile.compiler.graph.meta_keys import RELEASED
+from zcompile.compiler.graph.tangents import is_tangent
 
 
 def block_regions(graph: fx.Graph, by_block: bool = True) -> tuple[list[list[fx.Node]], list[bool]]:
@@ -100,7 +101,7 @@ def _shared_work(nodes: list[fx.Node]) -> set[fx.Node]:
                 and not (isinstance(n.target, torch._ops.OpOverload)
                          and torch.Tag.nondeterministic_seeded in n.target.tags)
                 and all(a in from_inputs or a.op == "get_attr" or (a.op == "placeholder" and not a.meta.get(RELEASED)
-                                                                    and not a.name.startswith("tangents"))
+                                                                    and not is_tangent(a))
                         for a in n.all_input_nodes)):
             from_inputs.add(n)
     every = {b for b in map(block_of, nodes) if b}
