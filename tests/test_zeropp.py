@@ -77,8 +77,8 @@ def test_zeropp_under_inductor_matches_eager():
     boundary into one quantization level: the gradients agree to 1e-6 but in a few elements (seen: 2 of ~30k on an
     AVX-512 machine, none on AVX2), each within one level, which moves later losses by ~1e-4."""
     base = dict(ZEROPP, stage=3, backend="inductor", ranks_per_node=2)
-    (compiled, compiled_run), (eager, eager_run) = (run_world(4, workers.shards_and_losses, "gpt", dict(base, backend=b),
-                                                              3)[0] for b in ("inductor", "eager"))
+    (compiled, compiled_run), (eager, eager_run) = (
+        run_world(4, workers.shards_and_losses, "gpt", dict(base, backend=b), 3)[0] for b in ("inductor", "eager"))
     assert compiled.keys() == eager.keys()
     apart = 0
     for name, ref in eager.items():
