@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from zcompile.compiler.graph import graph_copies
-from zcompile.compiler.graph.tangents import tangents
+from zcompile.compiler.graph.tangents import is_tangent, tangents
 from zcompile.errors import ZCompileError
 from zcompile.kernels import linear_cross_entropy as lce
 
@@ -105,8 +105,8 @@ class LossOnly:
         self.gm = without(gm, names)
         self.fake_inputs = [v for k, v in enumerate(fake_inputs) if k not in self.dropped]
         self.full_fakes = fake_inputs
-        self.kept = _positions(self.gm, tangents(self.gm))
-        self.all = _positions(gm, tangents(gm))
+        self.kept = _tangent_positions(self.gm)
+        self.all = _tangent_positions(gm)
         self.num_args = len(phs)  # the caller's arguments; commit_graph subtracts its side inputs
         self.full: Callable | None = None
 
@@ -128,9 +128,9 @@ class LossOnly:
         return self.full
 
 
-def _positions(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[int]:
-    """Where `nodes` (placeholders) are among `gm`'s inputs."""
-    return [k for k, n in enumerate(gm.graph.find_nodes(op="placeholder")) if n in nodes]
+def _tangent_positions(gm: fx.GraphModule) -> list[int]:
+    """Where the tangents are among `gm`'s inputs."""
+    return [k for k, n in enumerate(gm.graph.find_nodes(op="placeholder")) if is_tangent(n)]
 
 
 def _zero_fill(args: list, positions: list[int], fakes: list) -> None:
